@@ -1,0 +1,65 @@
+# budgetgpu: the two commands people run are `make demo` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Molecule scenarios, cheapest first; the cluster scenarios reuse the image and wheelhouse.
+SCENARIOS ?= $(sort $(notdir $(patsubst %/molecule.yml,%,$(wildcard molecule/*/molecule.yml))))
+SCENARIO ?=
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: help venv image wheelhouse prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
+
+help: ## Show the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(BIN)/ansible-playbook: requirements.txt requirements-dev.txt
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found: budgetgpu needs Python 3.11 (ansible-core 2.19)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	@touch $@
+
+venv: $(BIN)/ansible-playbook ## Create .venv with Ansible, molecule and the lint tools
+
+prerequisites: venv
+	@scripts/check-docker
+
+image: prerequisites ## Build (or reuse) the Debian systemd node image
+	@scripts/build-node-image >/dev/null
+
+wheelhouse: venv ## Download torch (CPU) and friends once into .cache/wheelhouse
+	@scripts/fill-wheelhouse
+
+demo: image wheelhouse ## Bring up the simulated 2-node cluster and run the main job on it
+	scripts/demo-cluster up
+
+demo-down: ## Remove the demo cluster: containers, network, key, inventory
+	scripts/demo-cluster down
+
+demo-status: ## Show the demo cluster
+	scripts/demo-cluster status
+
+test: lint unit molecule ## Lint, unit tests and every molecule scenario
+
+lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every module
+	$(BIN)/yamllint -s .
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/ansible-lint --profile production
+	@scripts/check-docs
+
+unit: venv ## Unit tests (pytest): modules, module_utils, filters, templates
+	$(BIN)/pytest
+
+molecule: image wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
+	@scripts/run-molecule $(or $(SCENARIO),$(SCENARIOS))
+
+collection: venv ## Build the collection tarball
+	$(BIN)/ansible-galaxy collection build --force .
+
+clean: demo-down ## Remove the venv and caches
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
