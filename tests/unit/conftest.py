@@ -9,7 +9,77 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+def load_file_module(name: str, path: Path):
+    """Import a Python file by path as a fresh module (gpu_sim's files, scripts without .py)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+GPU_SIM_FILES = REPO / "roles" / "gpu_sim" / "files"
+PCIE_FIXTURES = REPO / "tests" / "fixtures" / "pcie"
+H200 = REPO / "tests" / "fixtures" / "h200-node"
+
+
+@pytest.fixture
+def render_sim():
+    """The gpu_sim role's renderer: render_sim.render_sysfs(profile, root)."""
+    return load_file_module("render_sim", GPU_SIM_FILES / "render_sim.py")
+
+
+@pytest.fixture
+def sim_tree(render_sim, tmp_path):
+    """Render a gpu_sim profile name or a tests/fixtures/pcie tree name; return the sysfs root."""
+
+    def render(name: str) -> str:
+        path = GPU_SIM_FILES / "profiles" / f"{name}.json"
+        if not path.exists():
+            path = PCIE_FIXTURES / f"{name}.json"
+        root = tmp_path / f"sys-{name}"
+        render_sim.render_sysfs(render_sim.load_profile(str(path)), str(root))
+        return str(root)
+
+    return render
+
+
+@pytest.fixture
+def h200_sysfs(tmp_path) -> str:
+    """The captured H200 tree with bus/pci/devices links as links.txt shows them (absolute targets)."""
+    import shutil
+
+    root = tmp_path / "h200-sys"
+    shutil.copytree(H200 / "sysfs" / "sys", root)
+    bus = root / "bus" / "pci" / "devices"
+    bus.mkdir(parents=True)
+    for line in (H200 / "sysfs" / "links.txt").read_text().splitlines():
+        link, target = (part.strip() for part in line.split("->"))
+        (bus / Path(link).name).symlink_to(target)
+    # The other functions of that node, as `ls -l` showed them (relative; not captured, so dangling).
+    for line in (H200 / "sysfs" / "pci-devices-ls.txt").read_text().splitlines():
+        if " -> " in line:
+            name, target = line.split()[-3], line.split()[-1]
+            if not (bus / name).is_symlink():
+                (bus / name).symlink_to(target)
+    return str(root)
+
+
+@pytest.fixture
+def fake_pynvml(monkeypatch):
+    """gpu_sim's pynvml drop-in, answering from the named profile (a fresh module per test)."""
+
+    def load(profile: str | None):
+        path = GPU_SIM_FILES / "profiles" / f"{profile}.json" if profile else Path("/nonexistent/profile.json")
+        monkeypatch.setenv("BUDGETGPU_SIM_PROFILE", str(path))
+        return load_file_module("pynvml_sim", GPU_SIM_FILES / "pynvml.py")
+
+    return load

@@ -1,0 +1,309 @@
+"""Driver state and per-GPU facts from NVML, through a pynvml-like module object.
+
+Plain standard-library Python with no imports from the rest of the collection (scripts/gpu-probe
+loads this file by path). The caller imports `pynvml` (nvidia-ml-py, or the gpu_sim drop-in)
+and passes the module in; nothing here imports it.
+
+A field the GPU does not support is the string "unsupported" (UNSUPPORTED); a field that failed
+for another reason is None, with the NVML error text under the GPU's `errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any
+
+UNSUPPORTED = "unsupported"
+
+# NVML return codes (nvml.h); kept here so that this file needs no pynvml to be read.
+ERROR_INVALID_ARGUMENT = 2
+ERROR_NOT_SUPPORTED = 3
+ERROR_DRIVER_NOT_LOADED = 9
+ERROR_LIBRARY_NOT_FOUND = 12
+ERROR_FUNCTION_NOT_FOUND = 13
+ERROR_LIB_RM_VERSION_MISMATCH = 18
+
+_UNSUPPORTED_CODES = {ERROR_NOT_SUPPORTED, ERROR_FUNCTION_NOT_FOUND}
+TEMPERATURE_GPU = 0
+CLOCK_SM = 1
+PAGE_RETIREMENT_SINGLE_BIT = 0
+PAGE_RETIREMENT_DOUBLE_BIT = 1
+
+THROTTLE_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+    (0x200, "board_limit"),
+    (0x400, "reliability"),
+)
+
+
+def decode_throttle_reasons(mask: int) -> list[str]:
+    """Return the names of the clock event (throttle) reasons set in mask; unknown bits as hex."""
+    names = [name for bit, name in THROTTLE_REASONS if mask & bit]
+    known = 0
+    for bit, _name in THROTTLE_REASONS:
+        known |= bit
+    for bit in range(64):
+        if mask & (1 << bit) & ~known:
+            names.append(f"0x{1 << bit:x}")
+    return names
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _enabled(value: int) -> str:
+    return "enabled" if value else "disabled"
+
+
+def nvml_bus_id_to_sysfs(bus_id: str) -> str:
+    """Return NVML's "00000000:3B:00.0" as sysfs writes it: "0000:3b:00.0"."""
+    domain, _, rest = _text(bus_id).strip().lower().partition(":")
+    return f"{int(domain or '0', 16):04x}:{rest}"
+
+
+def cuda_version_text(version: int) -> str:
+    """Return NVML's CUDA driver version number (13000) as "13.0"."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def kernel_module_version(proc_root: str = "/proc") -> str | None:
+    """Return the version of the loaded nvidia kernel module, or None when none is loaded."""
+    try:
+        with open(os.path.join(proc_root, "driver", "nvidia", "version"), encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    match = re.search(r"NVRM version:.*?\s(\d+\.\d+(?:\.\d+)?)\s", text)
+    return match.group(1) if match else "unknown"
+
+
+def kernel_module_installed(modules_root: str = "/lib/modules", release: str | None = None) -> bool:
+    """Return whether an nvidia kernel module is installed for the running (or given) kernel."""
+    release = release or os.uname().release
+    try:
+        with open(os.path.join(modules_root, release, "modules.dep"), encoding="utf-8") as handle:
+            return re.search(r"(^|/)nvidia\.ko(\.\w+)?:", handle.read(), re.MULTILINE) is not None
+    except OSError:
+        return False
+
+
+def driver_state_from_error(
+    code: int | None, message: str, proc_root: str = "/proc", modules_root: str = "/lib/modules"
+) -> dict[str, Any]:
+    """Return the driver facts for a node where nvmlInit failed with this NVML error code."""
+    release = os.uname().release
+    module_version = kernel_module_version(proc_root)
+    installed = kernel_module_installed(modules_root, release)
+    if code == ERROR_LIBRARY_NOT_FOUND and module_version:
+        state = "no_library"
+        reason = (
+            f"the nvidia kernel module {module_version} is loaded but libnvidia-ml.so.1 is missing: "
+            "install the driver's user-space libraries of the same version"
+        )
+    elif code == ERROR_LIBRARY_NOT_FOUND and not installed:
+        state = "no_driver"
+        reason = (
+            f"no NVIDIA driver: libnvidia-ml.so.1 is missing and no nvidia kernel module exists for kernel "
+            f"{release}: install the driver (budgetgpu.cluster.nvidia_driver)"
+        )
+    elif code in (ERROR_LIBRARY_NOT_FOUND, ERROR_DRIVER_NOT_LOADED) and installed:
+        state = "not_loaded"
+        reason = (
+            f"the NVIDIA driver is installed for kernel {release} but not loaded: run `modprobe nvidia` or "
+            "reboot; if it will not load, check `dmesg` for nouveau, Secure Boot or a failed DKMS build"
+        )
+    elif code == ERROR_DRIVER_NOT_LOADED:
+        state = "not_loaded"
+        reason = (
+            "libnvidia-ml is installed but the nvidia kernel module is not loaded, and none is installed "
+            f"for kernel {release}: install the driver's kernel module (DKMS) for this kernel"
+        )
+    elif code == ERROR_LIB_RM_VERSION_MISMATCH:
+        state = "version_mismatch"
+        reason = (
+            f"libnvidia-ml and the loaded nvidia kernel module ({module_version or 'unknown version'}) are from "
+            "different driver releases: reboot after a driver upgrade, or unload and reload the nvidia modules"
+        )
+    else:
+        state, reason = "error", f"nvmlInit failed: {message}"
+    return {
+        "state": state,
+        "loaded": False,
+        "reason": reason,
+        "version": None,
+        "nvml_version": None,
+        "cuda_driver_version": None,
+        "kernel_module_version": module_version,
+        "kernel_module_installed": installed,
+        "errors": {},
+    }
+
+
+class _Reader:
+    """Calls NVML getters, turning "not supported" into UNSUPPORTED and other errors into None."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        self.errors: dict[str, str] = {}
+
+    def get(self, key: str, function: str, *args: Any) -> Any:
+        getter = getattr(self.nvml, function, None)
+        if getter is None:
+            return UNSUPPORTED
+        try:
+            return getter(*args)
+        except self.nvml.NVMLError as exc:
+            if getattr(exc, "value", None) in _UNSUPPORTED_CODES:
+                return UNSUPPORTED
+            self.errors[key] = str(exc)
+            return None
+
+
+def _known(value: Any) -> bool:
+    return value is not None and value != UNSUPPORTED
+
+
+def _convert(value: Any, convert: Any) -> Any:
+    return convert(value) if _known(value) else value
+
+
+def _nvlinks_active(reader: _Reader, handle: Any) -> Any:
+    """Return how many NVLinks are active, or UNSUPPORTED when the GPU has none."""
+    active = 0
+    for link in range(int(getattr(reader.nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+        try:
+            state = reader.nvml.nvmlDeviceGetNvLinkState(handle, link)
+        except reader.nvml.NVMLError as exc:
+            if getattr(exc, "value", None) in (*_UNSUPPORTED_CODES, ERROR_INVALID_ARGUMENT):
+                # Links are numbered from 0: the first one missing ends the list.
+                return UNSUPPORTED if link == 0 else active
+            reader.errors["nvlinks_active"] = str(exc)
+            return None
+        active += 1 if state else 0
+    return active
+
+
+def _retired_pages(reader: _Reader, handle: Any) -> Any:
+    single = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_SINGLE_BIT)
+    if not _known(single):
+        return single
+    double = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_DOUBLE_BIT)
+    pending = reader.get("retired_pages", "nvmlDeviceGetRetiredPagesPendingStatus", handle)
+    return {
+        "single_bit_ecc": len(single),
+        "double_bit_ecc": len(double) if _known(double) else double,
+        "pending": bool(pending) if _known(pending) else pending,
+    }
+
+
+def _remapped_rows(reader: _Reader, handle: Any) -> Any:
+    rows = reader.get("remapped_rows", "nvmlDeviceGetRemappedRows", handle)
+    if not _known(rows):
+        return rows
+    correctable, uncorrectable, pending, failure = rows
+    return {
+        "correctable": correctable,
+        "uncorrectable": uncorrectable,
+        "pending": bool(pending),
+        "failure": bool(failure),
+    }
+
+
+def _throttle_mask(reader: _Reader, handle: Any) -> Any:
+    # nvidia-ml-py 12.535+ names them "clocks event reasons"; older releases "throttle reasons".
+    if hasattr(reader.nvml, "nvmlDeviceGetCurrentClocksEventReasons"):
+        return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons", handle)
+    return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+
+
+def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
+    """Return one GPU's NVML facts."""
+    reader = _Reader(nvml)
+    handle = reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+    if not _known(handle):
+        return {"index": index, "errors": reader.errors}
+    get = reader.get
+    pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
+    memory = get("memory_total_mib", "nvmlDeviceGetMemoryInfo", handle)
+    capability = get("compute_capability", "nvmlDeviceGetCudaComputeCapability", handle)
+    power = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)
+    limit = get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)
+    ecc = get("ecc_mode", "nvmlDeviceGetEccMode", handle)
+    mig = get("mig_mode", "nvmlDeviceGetMigMode", handle)
+    throttle = _throttle_mask(reader, handle)
+    gpu = {
+        "index": index,
+        "name": _convert(get("name", "nvmlDeviceGetName", handle), _text),
+        "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
+        "serial": _convert(get("serial", "nvmlDeviceGetSerial", handle), _text),
+        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
+        "memory_total_mib": memory.total // (1024 * 1024) if _known(memory) else memory,
+        "compute_capability": "{}.{}".format(*capability) if _known(capability) else capability,
+        "vbios_version": _convert(get("vbios_version", "nvmlDeviceGetVbiosVersion", handle), _text),
+        "pcie": {
+            "gen_current": get("pcie.gen_current", "nvmlDeviceGetCurrPcieLinkGeneration", handle),
+            "gen_max": get("pcie.gen_max", "nvmlDeviceGetMaxPcieLinkGeneration", handle),
+            "gen_gpu_max": get("pcie.gen_gpu_max", "nvmlDeviceGetGpuMaxPcieLinkGeneration", handle),
+            "width_current": get("pcie.width_current", "nvmlDeviceGetCurrPcieLinkWidth", handle),
+            "width_max": get("pcie.width_max", "nvmlDeviceGetMaxPcieLinkWidth", handle),
+            "replay_counter": get("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter", handle),
+        },
+        "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
+        "power_draw_w": round(power / 1000, 2) if _known(power) else power,
+        "power_limit_w": round(limit / 1000, 2) if _known(limit) else limit,
+        "fan_speed_pct": get("fan_speed_pct", "nvmlDeviceGetFanSpeed", handle),
+        "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
+        "sm_clock_max_mhz": get("sm_clock_max_mhz", "nvmlDeviceGetMaxClockInfo", handle, CLOCK_SM),
+        "throttle_reasons": decode_throttle_reasons(throttle) if _known(throttle) else throttle,
+        "ecc_mode": {"current": _enabled(ecc[0]), "pending": _enabled(ecc[1])} if _known(ecc) else ecc,
+        "persistence_mode": _convert(get("persistence_mode", "nvmlDeviceGetPersistenceMode", handle), _enabled),
+        "mig_mode": {"current": _enabled(mig[0]), "pending": _enabled(mig[1])} if _known(mig) else mig,
+        "nvlinks_active": _nvlinks_active(reader, handle),
+        "numa_node": get("numa_node", "nvmlDeviceGetNumaNodeId", handle),
+        "retired_pages": _retired_pages(reader, handle),
+        "remapped_rows": _remapped_rows(reader, handle),
+    }
+    gpu["errors"] = reader.errors
+    return gpu
+
+
+def probe_nvml(nvml: Any, proc_root: str = "/proc", modules_root: str = "/lib/modules") -> dict[str, Any]:
+    """Return {driver, count, gpus}; a node without a working driver gives count 0 and says why."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        driver = driver_state_from_error(getattr(exc, "value", None), str(exc), proc_root, modules_root)
+        return {"driver": driver, "count": 0, "gpus": []}
+    try:
+        reader = _Reader(nvml)
+        cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2")
+        if not _known(cuda):
+            cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion")
+        driver = {
+            "state": "loaded",
+            "loaded": True,
+            "reason": None,
+            "version": _convert(reader.get("version", "nvmlSystemGetDriverVersion"), _text),
+            "nvml_version": _convert(reader.get("nvml_version", "nvmlSystemGetNVMLVersion"), _text),
+            "cuda_driver_version": _convert(cuda, cuda_version_text),
+            "kernel_module_version": kernel_module_version(proc_root),
+            "kernel_module_installed": True,
+            "errors": reader.errors,
+        }
+        count = reader.get("count", "nvmlDeviceGetCount")
+        gpus = [probe_gpu(nvml, index) for index in range(count if _known(count) else 0)]
+        return {"driver": driver, "count": len(gpus), "gpus": gpus}
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Render a GPU simulation profile's PCI functions as a sysfs tree.
+
+Usage: render_sim.py PROFILE.json ROOT   (writes ROOT/devices/... and ROOT/bus/pci/devices/*)
+
+A profile's "pci" list holds one entry per PCI function: "bdf", "parent" (the bus id of the
+bridge above, or null on a root bus), optional "nvml" (the answers of the gpu_sim pynvml
+drop-in for a GPU) and "comment"; every other key is written verbatim as a sysfs attribute
+file (vendor, device, class, current_link_speed, max_link_width, numa_node, ...), so odd
+strings such as "Unknown" or "8 GT/s" can be rendered as they are. Unit tests import this
+file by path to build trees in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+NOT_ATTRIBUTES = {"bdf", "parent", "nvml", "comment"}
+
+
+def load_profile(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def function_dirs(functions: list[dict[str, Any]]) -> dict[str, str]:
+    """Return {bdf: path relative to the sysfs root} for every function, parents first."""
+    by_bdf = {function["bdf"]: function for function in functions}
+    paths: dict[str, str] = {}
+
+    def path_of(bdf: str) -> str:
+        if bdf not in paths:
+            parent = by_bdf[bdf].get("parent")
+            if parent:
+                paths[bdf] = f"{path_of(parent)}/{bdf}"
+            else:
+                domain, bus, _ = bdf.split(":")
+                paths[bdf] = f"devices/pci{domain}:{bus}/{bdf}"
+        return paths[bdf]
+
+    for function in functions:
+        path_of(function["bdf"])
+    return paths
+
+
+def render_sysfs(profile: dict[str, Any], root: str) -> None:
+    """Write the profile's functions under root as sysfs has them (files and bus symlinks)."""
+    functions = profile.get("pci", [])
+    bus_dir = os.path.join(root, "bus", "pci", "devices")
+    os.makedirs(bus_dir, exist_ok=True)
+    dirs = function_dirs(functions)
+    for function in functions:
+        relative = dirs[function["bdf"]]
+        device_dir = os.path.join(root, relative)
+        os.makedirs(device_dir, exist_ok=True)
+        for key, value in function.items():
+            if key not in NOT_ATTRIBUTES:
+                with open(os.path.join(device_dir, key), "w", encoding="ascii") as handle:
+                    handle.write(f"{value}\n")
+        link = os.path.join(bus_dir, function["bdf"])
+        if os.path.lexists(link):
+            os.remove(link)
+        # Relative, as the kernel writes them: the tree can be moved or copied.
+        os.symlink(f"../../../{relative}", link)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    render_sysfs(load_profile(argv[1]), argv[2])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
