@@ -133,7 +133,7 @@ def describe_infiniband(sysfs_root: str) -> list[dict[str, Any]]:
     for name in names:
         ports = []
         ports_dir = os.path.join(base, name, "ports")
-        for port in sorted(os.listdir(ports_dir) if os.path.isdir(ports_dir) else [], key=_int):
+        for port in sorted(os.listdir(ports_dir) if os.path.isdir(ports_dir) else [], key=lambda p: _int(p) or 0):
             port_dir = os.path.join(ports_dir, port)
             state = _read(os.path.join(port_dir, "state")) or ""
             phys_state = _read(os.path.join(port_dir, "phys_state")) or ""

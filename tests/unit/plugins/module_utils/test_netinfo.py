@@ -1,0 +1,146 @@
+"""netinfo: interfaces, kinds, InfiniBand and the cluster interface on sysfs trees."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import netinfo
+
+H200 = Path(__file__).resolve().parents[3] / "fixtures" / "h200-node"
+
+
+def make_iface(root: Path, name: str, *, device: str | None = None, driver: str | None = None, **attrs: str) -> Path:
+    """Create class/net/<name> -> devices/.../net/<name> with the given attribute files."""
+    parent = root / (device or "devices/virtual") / "net" / name
+    parent.mkdir(parents=True)
+    for key, value in attrs.items():
+        if key == "bridge":
+            (parent / "bridge").mkdir()
+        else:
+            (parent / key).write_text(f"{value}\n")
+    if device:
+        (parent / "device").symlink_to(root / device)
+        if driver:
+            (root / "bus" / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+            (root / device / "driver").symlink_to(root / "bus" / "drivers" / driver)
+    (root / "class" / "net").mkdir(parents=True, exist_ok=True)
+    (root / "class" / "net" / name).symlink_to(parent)
+    return parent
+
+
+def h200_net_tree(root: Path) -> None:
+    """The reference node's interfaces as net.txt lists them (speed unreadable where it says so)."""
+    for line in (H200 / "net.txt").read_text().splitlines():
+        name = line.split()[0]
+        fields = dict(re.findall(r"(\w+)=(\S+)", line))
+        attrs = {
+            "mtu": fields["mtu"],
+            "type": fields["type"],
+            "operstate": fields["oper"],
+            "ifindex": "1",
+            "iflink": "1",
+        }
+        if fields["speed"].lstrip("-").isdigit():
+            attrs["speed"] = fields["speed"]
+        device = fields["dev"][len("/sys/") :] if "virtual" not in fields["dev"] else None
+        make_iface(root, name, device=device, driver="virtio_net" if device else None, **attrs)
+
+
+def test_reference_node_interfaces(tmp_path):
+    h200_net_tree(tmp_path)
+    facts = netinfo.probe_net(str(tmp_path))
+    by_name = {iface["name"]: iface for iface in facts["interfaces"]}
+    assert sorted(by_name) == ["eth0", "ifb0", "ifb1", "lo"]
+    eth0 = by_name["eth0"]
+    assert eth0["kind"] == "physical" and eth0["driver"] == "virtio_net"
+    assert eth0["speed_mbps"] is None  # virtio reports -1: unknown, not an error
+    assert eth0["mtu"] == 1400 and eth0["operstate"] == "up"
+    assert eth0["pci_bus_id"] == "0000:00:03.0"
+    assert by_name["lo"]["kind"] == "loopback" and by_name["lo"]["mtu"] == 65536
+    assert by_name["ifb0"]["kind"] == "virtual" and by_name["ifb0"]["speed_mbps"] is None
+    assert facts["infiniband"] == []
+
+
+def test_kinds_bridge_docker_veth(tmp_path):
+    make_iface(tmp_path, "enp1s0f0", device="devices/pci0000:00/0000:00:1c.0/0000:01:00.0", driver="ixgbe",
+               speed="10000", carrier="1", type="1", mtu="9000", ifindex="2", iflink="2")  # fmt: skip
+    make_iface(tmp_path, "br0", bridge=True, type="1", ifindex="3", iflink="3", uevent="DEVTYPE=bridge")
+    make_iface(tmp_path, "docker0", bridge=True, type="1", ifindex="4", iflink="4", uevent="DEVTYPE=bridge")
+    make_iface(tmp_path, "br-3f2a1b4c5d6e", bridge=True, type="1", ifindex="5", iflink="5")
+    make_iface(tmp_path, "veth12ab", type="1", ifindex="6", iflink="7", uevent="INTERFACE=veth12ab")
+    make_iface(tmp_path, "bond0", type="1", ifindex="8", iflink="8", uevent="DEVTYPE=bond")
+    kinds = {iface["name"]: iface["kind"] for iface in netinfo.probe_net(str(tmp_path))["interfaces"]}
+    assert kinds == {
+        "enp1s0f0": "physical",
+        "br0": "bridge",
+        "docker0": "docker",
+        "br-3f2a1b4c5d6e": "docker",
+        "veth12ab": "veth",
+        "bond0": "bond",
+    }
+    nic = next(iface for iface in netinfo.probe_net(str(tmp_path))["interfaces"] if iface["name"] == "enp1s0f0")
+    assert (nic["speed_mbps"], nic["carrier"], nic["mtu"], nic["driver"]) == (10000, True, 9000, "ixgbe")
+    assert nic["pci_bus_id"] == "0000:01:00.0"
+
+
+def test_infiniband_and_roce_ports(tmp_path):
+    for name, layer, state, netdev in (
+        ("mlx5_0", "InfiniBand", "4: ACTIVE", "ib0"),
+        ("mlx5_1", "Ethernet", "1: DOWN", "enp65s0f1"),
+    ):
+        port = tmp_path / "class" / "infiniband" / name / "ports" / "1"
+        port.mkdir(parents=True)
+        (port / "state").write_text(f"{state}\n")
+        (port / "phys_state").write_text("5: LinkUp\n" if "ACTIVE" in state else "3: Disabled\n")
+        (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+        (port / "link_layer").write_text(f"{layer}\n")
+        (tmp_path / "class" / "infiniband" / name / "device" / "net" / netdev).mkdir(parents=True)
+    ib = netinfo.probe_net(str(tmp_path))["infiniband"]
+    assert ib == [
+        {
+            "name": "mlx5_0",
+            "ports": [{"port": 1, "state": "ACTIVE", "phys_state": "LinkUp", "rate": "200 Gb/sec (4X HDR)",
+                       "link_layer": "InfiniBand", "kind": "infiniband"}],
+            "netdevs": ["ib0"],
+        },
+        {
+            "name": "mlx5_1",
+            "ports": [{"port": 1, "state": "DOWN", "phys_state": "Disabled", "rate": "200 Gb/sec (4X HDR)",
+                       "link_layer": "Ethernet", "kind": "roce"}],
+            "netdevs": ["enp65s0f1"],
+        },
+    ]  # fmt: skip
+
+
+IP_JSON = json.dumps(
+    [
+        {"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+        {
+            "ifname": "eth0",
+            "addr_info": [
+                {"family": "inet", "local": "10.10.0.12", "prefixlen": 24},
+                {"family": "inet6", "local": "fe80::1", "prefixlen": 64},
+            ],
+        },
+        {"ifname": "docker0", "addr_info": [{"family": "inet", "local": "172.17.0.1", "prefixlen": 16}]},
+        {"ifname": "ifb0", "addr_info": []},
+    ]
+)
+
+
+def test_cluster_interface_is_the_one_holding_an_address_in_the_subnet(tmp_path):
+    h200_net_tree(tmp_path)
+    addresses = netinfo.parse_ip_addr_json(IP_JSON)
+    assert addresses["eth0"][1] == {"family": "ipv6", "address": "fe80::1", "prefixlen": 64}
+    facts = netinfo.probe_net(str(tmp_path), addresses, "10.10.0.0/24")
+    assert facts["cluster_interface"] == {"name": "eth0", "address": "10.10.0.12", "prefixlen": 24}
+    assert netinfo.probe_net(str(tmp_path), addresses, "192.168.7.0/24")["cluster_interface"] is None
+    assert netinfo.probe_net(str(tmp_path), addresses, "10.10.0.5/24")["cluster_interface"]["name"] == "eth0"
+
+
+def test_fallback_reads_loopback_without_iproute2():
+    addresses = netinfo.read_addresses_fallback(["lo", "no-such-if0"])
+    assert {"family": "ipv4", "address": "127.0.0.1", "prefixlen": 8} in addresses["lo"]
+    assert addresses["no-such-if0"] == []
