@@ -1,0 +1,368 @@
+"""Unit tests for the NCCL network filters on fact-shaped dicts (budgetgpu_net, _gpus, _pcie)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.filter import nccl
+
+SUBNET = "192.168.10.0/24"
+
+
+def iface(
+    name: str, kind: str, *addresses: str, speed: int | None = None, carrier: bool | None = True, prefix: int = 24
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "kind": kind,
+        "speed_mbps": speed,
+        "mtu": 1500,
+        "operstate": "up" if carrier else "down",
+        "carrier": carrier,
+        "driver": None,
+        "addresses": [
+            {"family": "ipv6" if ":" in a else "ipv4", "address": a, "prefixlen": 64 if ":" in a else prefix}
+            for a in addresses
+        ],
+    }
+
+
+def net(
+    *interfaces: dict[str, Any], infiniband: list[dict[str, Any]] | None = None, subnet: str | None = SUBNET
+) -> dict[str, Any]:
+    return {
+        "interfaces": list(interfaces),
+        "infiniband": infiniband or [],
+        "cluster_subnet": subnet,
+        "cluster_interface": None,
+    }
+
+
+def ib_device(name: str = "mlx5_0", state: str = "ACTIVE", kind: str = "infiniband") -> dict[str, Any]:
+    link_layer = "Ethernet" if kind == "roce" else "InfiniBand"
+    return {
+        "name": name,
+        "ports": [
+            {
+                "port": 1,
+                "state": state,
+                "phys_state": "LinkUp",
+                "rate": "100 Gb/sec",
+                "link_layer": link_layer,
+                "kind": kind,
+            }
+        ],
+        "netdevs": ["ib0"],
+    }
+
+
+LOOPBACK = iface("lo", "loopback", "127.0.0.1", "::1", speed=None, carrier=True, prefix=8)
+DOCKER0 = iface("docker0", "docker", "172.17.0.1", carrier=False, prefix=16)
+VETH_HOST = iface("veth3f2a1b", "veth", speed=10000)
+BR0 = iface("br0", "bridge", "10.99.0.1")
+
+
+def gpus(*names: str, nvlinks: int | str = "unsupported") -> dict[str, Any]:
+    return {
+        "driver": {"state": "loaded", "loaded": True},
+        "count": len(names),
+        "gpus": [
+            {"index": i, "name": f"NVIDIA {n}", "bus_id": f"0000:0{i + 1}:00.0", "nvlinks_active": nvlinks}
+            for i, n in enumerate(names)
+        ],
+    }
+
+
+def pcie(count: int, switch: bool = False, names: list[str] | None = None) -> dict[str, Any]:
+    hops = [{"bus_id": "0000:00:01.0", "role": "root_port"}]
+    if switch:
+        hops += [
+            {"bus_id": "0000:10:00.0", "role": "switch_upstream"},
+            {"bus_id": "0000:11:00.0", "role": "switch_downstream"},
+        ]
+    return {
+        "count": count,
+        "gpus": [
+            {
+                "bus_id": f"0000:0{i + 1}:00.0",
+                "name": (names or ["GeForce RTX 3090"] * count)[i],
+                "path": [*hops, {"bus_id": f"0000:0{i + 1}:00.0", "role": "gpu"}],
+            }
+            for i in range(count)
+        ],
+    }
+
+
+class TestInterface:
+    def test_picks_the_cluster_nic_over_docker_bridge_and_veth(self) -> None:
+        facts = net(LOOPBACK, DOCKER0, VETH_HOST, BR0, iface("eno1", "physical", "192.168.10.12", speed=10000))
+        decision = nccl.nccl_env(facts)
+        assert decision["errors"] == []
+        assert decision["interface"] == "eno1"
+        assert decision["address"] == "192.168.10.12"
+        assert decision["env"]["NCCL_SOCKET_IFNAME"] == "=eno1"
+        assert decision["env"]["GLOO_SOCKET_IFNAME"] == "eno1"
+        assert decision["summary"].startswith("NCCL on eno1 (10000 Mb/s), Socket transport: no InfiniBand device")
+
+    def test_prefers_a_nic_over_a_bridge_holding_a_cluster_address_too(self) -> None:
+        bridge = iface("br0", "bridge", "192.168.10.200", prefix=32, carrier=False)
+        facts = net(bridge, iface("eth0", "veth", "192.168.10.3", speed=10000))
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] == "eth0"
+        assert "veth: this node is a container" in decision["reasons"][0]
+        assert "passed over br0 (bridge)" in decision["reasons"][0]
+
+    def test_uses_a_bridge_only_when_nothing_else_holds_the_cluster_address(self) -> None:
+        facts = net(iface("enp3s0", "physical", speed=10000), iface("br0", "bridge", "192.168.10.5"))
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] == "br0"
+        assert "only interface with the cluster address" in decision["reasons"][0]
+
+    def test_never_uses_docker0_or_loopback_even_in_the_subnet(self) -> None:
+        facts = net(LOOPBACK, iface("docker0", "docker", "192.168.10.1"), subnet=SUBNET)
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] is None
+        assert "docker0 (docker) hold it but NCCL must not use them" in decision["errors"][0]
+        assert "fix budgetgpu_cluster_subnet" in decision["errors"][0]
+
+    def test_1g_and_10g_node_both_in_the_subnet_takes_the_10g(self) -> None:
+        facts = net(
+            iface("eno1", "physical", "192.168.10.7", speed=1000),
+            iface("enp5s0f0", "physical", "192.168.10.17", speed=10000),
+        )
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] == "enp5s0f0"
+        assert decision["address"] == "192.168.10.17"
+        assert decision["speed_mbps"] == 10000
+
+    def test_1g_cluster_nic_with_an_idle_10g_warns(self) -> None:
+        facts = net(
+            iface("eno1", "physical", "192.168.10.7", speed=1000),
+            iface("enp5s0f0", "physical", "10.0.0.7", speed=10000),
+        )
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] == "eno1"
+        assert decision["warnings"] and "enp5s0f0 (10000 Mb/s) is faster than eno1" in decision["warnings"][0]
+
+    def test_link_down_loses_to_link_up(self) -> None:
+        facts = net(
+            iface("enp1", "physical", "192.168.10.7", speed=10000, carrier=False),
+            iface("enp2", "physical", "192.168.10.8", speed=1000),
+        )
+        assert nccl.nccl_env(facts)["interface"] == "enp2"
+
+    def test_no_subnet_falls_back_to_the_fastest_nic(self) -> None:
+        facts = net(
+            LOOPBACK,
+            DOCKER0,
+            BR0,
+            iface("eno1", "physical", "10.1.1.1", speed=1000),
+            iface("enp5s0", "physical", "10.2.2.2", speed=25000),
+            subnet=None,
+        )
+        decision = nccl.nccl_env(facts)
+        assert decision["interface"] == "enp5s0"
+        assert "no budgetgpu_cluster_subnet" in decision["reasons"][0]
+
+    def test_missing_subnet_address_names_what_was_found(self) -> None:
+        facts = net(LOOPBACK, iface("eth0", "physical", "10.0.0.5"))
+        decision = nccl.nccl_env(facts)
+        assert decision["errors"] and "eth0 10.0.0.5" in decision["errors"][0]
+        assert decision["env"] == {}
+
+
+class TestOverrides:
+    FACTS = net(iface("eth0", "veth", "192.168.10.3", speed=10000), iface("eth1", "veth", "172.30.0.3", speed=10000))
+
+    def test_inventory_interface_wins_over_the_probe(self) -> None:
+        decision = nccl.nccl_env(self.FACTS, interface="eth1")
+        assert decision["interface"] == "eth1"
+        assert decision["address"] == "172.30.0.3"
+        assert decision["env"]["NCCL_SOCKET_IFNAME"] == "=eth1"
+        assert decision["env"]["GLOO_SOCKET_IFNAME"] == "eth1"
+        assert "set by inventory" in decision["reasons"][0]
+        assert "outside the cluster subnet" in decision["warnings"][0]
+
+    def test_exact_form_override_resolves_the_same(self) -> None:
+        assert nccl.nccl_env(self.FACTS, interface="=eth1")["interface"] == "eth1"
+
+    def test_env_override_of_ifname_moves_the_address_too(self) -> None:
+        decision = nccl.nccl_env(self.FACTS, overrides={"NCCL_SOCKET_IFNAME": "=eth1"})
+        assert decision["address"] == "172.30.0.3"
+
+    def test_override_to_a_missing_interface_is_an_error(self) -> None:
+        decision = nccl.nccl_env(self.FACTS, interface="enp9s0")
+        assert "no interface with an address matches it" in decision["errors"][0]
+
+    def test_env_overrides_win_and_none_removes(self) -> None:
+        facts = net(iface("eno1", "physical", "192.168.10.2", speed=10000))
+        decision = nccl.nccl_env(
+            facts,
+            gpus("GeForce RTX 3090", "GeForce RTX 3090"),
+            pcie(2),
+            overrides={"NCCL_P2P_DISABLE": 0, "NCCL_NET": None, "NCCL_DEBUG": "INFO"},
+        )
+        assert decision["env"]["NCCL_P2P_DISABLE"] == "0"
+        assert "NCCL_NET" not in decision["env"]
+        assert decision["env"]["NCCL_DEBUG"] == "INFO"
+        assert "P2P on: set by inventory" in decision["summary"]
+
+
+class TestTransport:
+    ETH = iface("eno1", "physical", "192.168.10.2", speed=10000)
+
+    def test_no_ib_disables_ib_and_forces_socket(self) -> None:
+        env = nccl.nccl_env(net(self.ETH))["env"]
+        assert env["NCCL_IB_DISABLE"] == "1"
+        assert env["NCCL_NET"] == "Socket"
+
+    def test_active_ib_everywhere_keeps_ib(self) -> None:
+        facts = net(self.ETH, infiniband=[ib_device()])
+        decision = nccl.nccl_env(facts, cluster_net={"node2": net(infiniband=[ib_device()])})
+        assert decision["transport"] == "IB"
+        assert decision["env"]["NCCL_IB_DISABLE"] == "0"
+        assert decision["env"]["NCCL_IB_HCA"] == "=mlx5_0:1"
+        assert "InfiniBand mlx5_0:1 active on every node" in decision["summary"]
+
+    def test_roce_is_named(self) -> None:
+        decision = nccl.nccl_env(net(self.ETH, infiniband=[ib_device(kind="roce")]))
+        assert "RoCE" in decision["summary"]
+
+    def test_ib_port_down_means_socket(self) -> None:
+        decision = nccl.nccl_env(net(self.ETH, infiniband=[ib_device(state="DOWN")]))
+        assert decision["env"]["NCCL_NET"] == "Socket"
+        assert "has no ACTIVE port" in decision["summary"]
+
+    def test_a_peer_without_ib_forces_socket_everywhere(self) -> None:
+        facts = net(self.ETH, infiniband=[ib_device()])
+        decision = nccl.nccl_env(facts, cluster_net={"node3": net(), "node2": net(infiniband=[ib_device()])})
+        assert decision["env"]["NCCL_NET"] == "Socket"
+        assert "node3 lack an active InfiniBand port" in decision["summary"]
+
+
+class TestP2P:
+    ETH = iface("eth1", "physical", "192.168.10.3", speed=10000)
+
+    def test_issue_example_geforce_behind_switch(self) -> None:
+        decision = nccl.nccl_env(net(self.ETH), gpus(*["GeForce RTX 3090"] * 4), pcie(4, switch=True))
+        assert decision["env"]["NCCL_P2P_DISABLE"] == "1"
+        assert decision["summary"] == (
+            "NCCL on eth1 (10000 Mb/s), Socket transport: no InfiniBand device; "
+            "P2P off: GeForce RTX 3090 behind PCIe switch: GeForce cards have no PCIe P2P"
+        )
+
+    def test_geforce_across_root_ports(self) -> None:
+        decision = nccl.decide_p2p(gpus("GeForce RTX 4090", "GeForce RTX 4090"), pcie(2))
+        assert decision == {
+            "disable": True,
+            "reason": "GeForce RTX 4090 across PCIe root ports: GeForce cards have no PCIe P2P",
+        }
+
+    def test_mixed_models(self) -> None:
+        decision = nccl.decide_p2p(gpus("GeForce RTX 3090", "GeForce RTX 4090"), pcie(2))
+        assert decision["disable"] is True
+        assert "mixed GPU models GeForce RTX 3090 + GeForce RTX 4090" in decision["reason"]
+
+    def test_datacenter_behind_switch_is_off(self) -> None:
+        decision = nccl.decide_p2p(gpus("A100 PCIe 80GB", "A100 PCIe 80GB"), pcie(2, switch=True))
+        assert decision == {"disable": True, "reason": "A100 PCIe 80GB behind PCIe switch"}
+
+    def test_datacenter_on_root_ports_keeps_p2p(self) -> None:
+        assert nccl.decide_p2p(gpus("RTX A6000", "RTX A6000"), pcie(2))["disable"] is False
+
+    def test_nvlink_keeps_p2p(self) -> None:
+        decision = nccl.decide_p2p(gpus("H100 SXM5 80GB", "H100 SXM5 80GB", nvlinks=18), pcie(2, switch=True))
+        assert decision["disable"] is False
+        assert "NVLink" in decision["reason"]
+
+    def test_one_gpu_leaves_p2p_unset(self) -> None:
+        decision = nccl.nccl_env(net(self.ETH), gpus("H200"), pcie(1, names=["H200"]))
+        assert "NCCL_P2P_DISABLE" not in decision["env"]
+        assert decision["summary"].endswith("P2P unset: one GPU, P2P not used")
+
+    def test_driver_not_loaded_falls_back_to_pcie_names(self) -> None:
+        no_driver = {"driver": {"state": "not_loaded"}, "count": 0, "gpus": []}
+        decision = nccl.decide_p2p(no_driver, pcie(2, switch=True))
+        assert decision["disable"] is True
+        assert "GeForce RTX 3090 behind PCIe switch" in decision["reason"]
+
+
+class TestEnvFile:
+    def test_renders_sorted_plain_lines(self) -> None:
+        assert nccl.nccl_env_file({"NCCL_NET": "Socket", "GLOO_SOCKET_IFNAME": "eth0"}) == (
+            "GLOO_SOCKET_IFNAME=eth0\nNCCL_NET=Socket\n"
+        )
+
+    @pytest.mark.parametrize("value", ["a b", "$(reboot)", "x'y"])
+    def test_refuses_values_the_two_readers_disagree_on(self, value: str) -> None:
+        with pytest.raises(ValueError, match="plain words"):
+            nccl.nccl_env_file({"NCCL_DEBUG": value})
+
+
+class TestMembers:
+    def test_member_addresses_skip_loopback_docker_and_foreign_bridges(self) -> None:
+        node1 = net(LOOPBACK, DOCKER0, BR0, iface("eth0", "veth", "192.168.10.2"), iface("eth1", "veth", "172.30.0.2"))
+        node2 = net(
+            LOOPBACK,
+            iface("br0", "bridge", "192.168.10.203", prefix=32),
+            iface("eno1", "physical", "192.168.10.3", "fe80::1", "fd00::3"),
+        )
+        members = nccl.nccl_member_addresses([node1, node2], SUBNET)
+        assert members == {
+            "ipv4": ["172.30.0.2", "192.168.10.2", "192.168.10.3", "192.168.10.203"],
+            "ipv6": ["fd00::3"],
+        }
+
+
+class TestReport:
+    RESULTS = {
+        "backend": "gloo",
+        "world_size": 3,
+        "nodes": ["node1", "node2", "node3"],
+        "sizes": [
+            {"bytes": 1024, "time_us": 200.0, "algbw_gbs": 0.005, "busbw_gbs": 0.007},
+            {"bytes": 64 << 20, "time_us": 100000.0, "algbw_gbs": 0.67, "busbw_gbs": 0.89},
+        ],
+        "pairs": [
+            {"src": "node1", "dst": "node2", "src_addr": "10.0.0.2", "dst_addr": "10.0.0.3", "gbs": 1.1},
+            {"src": "node2", "dst": "node3", "src_addr": "10.0.0.3", "dst_addr": "10.0.0.4", "gbs": 0.6},
+        ],
+    }
+    IPERF = [{"src": "node1", "dst": "node2", "gbs": 1.2}, {"src": "node2", "dst": "node3", "gbs": 1.0}]
+
+    def test_busbw_factor_is_nccl_tests(self) -> None:
+        assert nccl.nccl_busbw_factor(2) == 1.0
+        assert nccl.nccl_busbw_factor(4) == 1.5
+        assert nccl.nccl_busbw_factor(1) == 1.0
+
+    def test_floor_from_line_rate_is_the_guides_half_gb_on_10gbe(self) -> None:
+        floor = nccl.nccl_busbw_floor([10000, 10000], [1.1], 0.4, 0.1)
+        assert floor["floor_gbs"] == 0.5
+        assert "40% of the slowest line rate 10000 Mb/s" in floor["basis"]
+
+    def test_floor_on_virtual_links_follows_iperf3(self) -> None:
+        floor = nccl.nccl_busbw_floor([None, 10000], [2.0, 1.5], 0.4, 0.1)
+        assert floor["floor_gbs"] == 0.15
+
+    def test_explicit_floor_wins(self) -> None:
+        assert nccl.nccl_busbw_floor([10000], [1.0], 0.4, 0.1, explicit="0.9")["floor_gbs"] == 0.9
+
+    def test_passes_above_the_floor_and_reports_the_ratio(self) -> None:
+        report = nccl.nccl_comm_report(self.RESULTS, self.IPERF, {"floor_gbs": 0.5, "basis": "x"})
+        assert report["passed"] is True
+        assert report["iperf3_min_gbs"] == 1.0
+        assert report["large_tcp_ratio"] == 0.89
+        assert report["pairs"][1]["tcp_ratio"] == 0.6
+
+    def test_fails_under_the_floor_naming_the_slowest_pair(self) -> None:
+        report = nccl.nccl_comm_report(self.RESULTS, self.IPERF, {"floor_gbs": 5.0, "basis": "set"})
+        assert report["passed"] is False
+        assert "0.890 GB/s at 64 MB is under the floor 5.000 GB/s" in report["failures"][0]
+        assert "slowest pair node2 -> node3 (10.0.0.3 -> 10.0.0.4)" in report["failures"][0]
+
+    def test_table_lists_every_size_and_the_verdict(self) -> None:
+        report = nccl.nccl_comm_report(self.RESULTS, self.IPERF, {"floor_gbs": 0.5, "basis": "b"})
+        lines = nccl.nccl_report_table(report)
+        assert "1 KB" in lines[1] and "64 MB" in lines[2] and "89%" in lines[2]
+        assert lines[-1].endswith("PASS")
