@@ -1,0 +1,310 @@
+"""Filters for torchrun jobs: fill a job definition with its defaults, summarise what each node
+knows about itself, and turn a job into the command line and environment of one node's unit.
+
+Pure functions of their inputs (job dicts, facts); no I/O. The preflight filter checks the same
+jobs with the same functions, so what preflight approves is exactly what the units run.
+
+A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml documents each key):
+
+    name: pretrain                      # ^[A-Za-z0-9_.-]+$ (unit budgetgpu-job-<name>.service)
+    script: /srv/train.py               # or module: mypkg.train (exactly one of the two)
+    args: [--epochs, "10"]
+    nodes: gpu_nodes                    # an inventory group
+    nproc_per_node: gpu                 # "gpu" (the node's GPU count) or a number
+    master: node1                       # default: first host of the group
+    port: 29500
+    rendezvous: c10d                    # or static (--node-rank/--master-addr as in the guide)
+    max_restarts: 3
+    checkpoint_every_minutes: 15
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+try:
+    from ansible.errors import AnsibleFilterError
+except ImportError:  # pragma: no cover - the filters are plain functions without Ansible too
+
+    class AnsibleFilterError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]*[$]?$")
+RENDEZVOUS = ("c10d", "static")
+BACKENDS = ("auto", "nccl", "gloo")
+STATES = ("started", "stopped", "absent")
+UNIT_PREFIX = "budgetgpu-job-"
+
+# Built-in defaults of every optional key; the inventory's torchrun_job_defaults and the shared
+# variables (python_env_path, budgetgpu_user) override them, a job's own keys override all.
+JOB_DEFAULTS: dict[str, Any] = {
+    "script": None,
+    "module": None,
+    "args": [],
+    "venv": "/opt/budgetgpu/venv",
+    "workdir": None,  # /var/lib/budgetgpu/jobs/<name>
+    "nodes": "gpu_nodes",
+    "nproc_per_node": "gpu",
+    "master": None,  # first host of nodes
+    "master_addr": None,  # master's cluster address, else its ansible_host, else its name
+    "port": 29500,
+    "rendezvous": "c10d",
+    "rendezvous_timeout": 900,
+    "node_ranks": {},
+    "max_restarts": 3,
+    "checkpoint_dir": None,  # <workdir>/checkpoints
+    "checkpoint_every_minutes": 15,
+    "checkpoint_every_steps": 0,
+    "environment": {},
+    "user": "budgetgpu",
+    "backend": "auto",
+    "allow_mixed_gpus": False,
+    "state": "started",
+    "enabled": True,
+}
+JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
+STATE_ROOT = "/var/lib/budgetgpu/jobs"
+ENV_DIR = "/etc/budgetgpu/jobs"
+
+
+def unit_name(name: str) -> str:
+    """Return the systemd unit of a job: "budgetgpu-job-<name>.service"."""
+    return f"{UNIT_PREFIX}{name}.service"
+
+
+def torchrun_job_normalize(job: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Return the job with every key present: built-in defaults < defaults < the job's own keys.
+
+    Unknown keys are kept (preflight reports them); values are not checked here.
+    """
+    if not isinstance(job, Mapping):
+        raise AnsibleFilterError(f"torchrun_jobs: each job must be a dict, got {type(job).__name__}: {job!r}")
+    merged: dict[str, Any] = dict(JOB_DEFAULTS)
+    merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
+    merged.update(job)
+    name = str(merged.get("name") or "")
+    if not merged.get("workdir"):
+        merged["workdir"] = f"{STATE_ROOT}/{name}"
+    if not merged.get("checkpoint_dir"):
+        merged["checkpoint_dir"] = f"{merged['workdir'].rstrip('/')}/checkpoints"
+    merged["unit"] = unit_name(name)
+    merged["env_file"] = f"{ENV_DIR}/{name}.env"
+    merged["state_dir"] = f"{STATE_ROOT}/{name}"
+    return merged
+
+
+def torchrun_jobs_normalize(jobs: Any, defaults: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Return every job of torchrun_jobs normalised (see torchrun_job_normalize)."""
+    if jobs is None:
+        return []
+    if not isinstance(jobs, list):
+        raise AnsibleFilterError(f"torchrun_jobs must be a list of jobs, got {type(jobs).__name__}")
+    return [torchrun_job_normalize(job, defaults) for job in jobs]
+
+
+def _facts(hostvars: Mapping[str, Any]) -> Mapping[str, Any]:
+    facts = hostvars.get("ansible_facts") or {}
+    return facts if isinstance(facts, Mapping) else {}
+
+
+def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
+    """Return what the checks and units need to know about one node, from its hostvars."""
+    facts = _facts(hostvars)
+    gpus = facts.get("budgetgpu_gpus")
+    pcie = facts.get("budgetgpu_pcie")
+    net = facts.get("budgetgpu_net") or {}
+    driver = (gpus or {}).get("driver") or {}
+    loaded = driver.get("state") == "loaded"
+    # Without a loaded driver NVML sees nothing, but the GPUs are still on the PCI bus.
+    if gpus is not None and loaded:
+        gpu_count, models = int(gpus.get("count") or 0), [g.get("name") for g in gpus.get("gpus") or []]
+    elif pcie is not None:
+        gpu_count, models = int(pcie.get("count") or 0), [g.get("name") for g in pcie.get("gpus") or []]
+    else:
+        gpu_count, models = None, []
+    cluster_if = net.get("cluster_interface") if isinstance(net, Mapping) else None
+    return {
+        "host": host,
+        "probed": gpus is not None or pcie is not None,
+        "gpu_count": gpu_count,
+        "gpu_models": [m for m in models if m],
+        "driver_state": driver.get("state"),
+        "driver_version": driver.get("version"),
+        "pcie": pcie,
+        "python_env": facts.get("budgetgpu_python_env"),
+        "vcpus": facts.get("processor_nproc") or facts.get("processor_vcpus"),
+        "cluster_address": (cluster_if or {}).get("address"),
+        "address": hostvars.get("ansible_host") or host,
+        "simulated": bool(hostvars.get("budgetgpu_simulated", False)),
+        "node_rank": hostvars.get("torchrun_node_rank"),
+        "pcie_min_width": hostvars.get("preflight_pcie_min_width", hostvars.get("budgetgpu_pcie_min_width")),
+        "pcie_expected": hostvars.get("preflight_pcie_expected", hostvars.get("budgetgpu_pcie_expected")) or {},
+        "scripts_found": hostvars.get("_preflight_scripts_found") or {},
+        "jobs_digest": hostvars.get("_preflight_jobs_digest"),
+    }
+
+
+def cluster_nodes(hostvars: Mapping[str, Any], hosts: list[str]) -> dict[str, dict[str, Any]]:
+    """Return node_info for each of hosts, keyed by host."""
+    return {host: node_info(hostvars.get(host) or {}, host) for host in hosts}
+
+
+def job_hosts(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[str]:
+    """Return the hosts of a job's group, in inventory order ([] for an unknown group)."""
+    return list(groups.get(str(job.get("nodes")), []) or [])
+
+
+def job_master(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> str | None:
+    """Return the job's master host: the one named, else the first host of its group."""
+    if job.get("master"):
+        return str(job["master"])
+    hosts = job_hosts(job, groups)
+    return hosts[0] if hosts else None
+
+
+def job_node_ranks(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> dict[str, Any]:
+    """Return host -> node rank: the job's node_ranks, else each host's torchrun_node_rank, else
+    the master first and the others in group order."""
+    hosts = job_hosts(job, groups)
+    given = dict(job.get("node_ranks") or {})
+    for host in hosts:
+        rank = (nodes.get(host) or {}).get("node_rank")
+        if host not in given and rank is not None:
+            given[host] = rank
+    if given:
+        return {host: given.get(host) for host in hosts}
+    master = job_master(job, groups)
+    ordered = [master] + [h for h in hosts if h != master] if master in hosts else hosts
+    return {host: rank for rank, host in enumerate(ordered)}
+
+
+def job_nproc(job: Mapping[str, Any], node: Mapping[str, Any]) -> int | None:
+    """Return the number of processes a job runs on a node ("gpu": the node's GPU count)."""
+    value = job.get("nproc_per_node")
+    if value in ("gpu", "auto", None):
+        return node.get("gpu_count")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def job_master_addr(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> str | None:
+    """Return the address every node dials for the rendezvous."""
+    if job.get("master_addr"):
+        return str(job["master_addr"])
+    master = job_master(job, groups)
+    node = nodes.get(master) or {}
+    return node.get("cluster_address") or node.get("address") or master
+
+
+def job_backend(job: Mapping[str, Any], node: Mapping[str, Any]) -> str:
+    """Return the torch.distributed backend: gloo on simulated (CPU) nodes, NCCL on GPUs."""
+    if job.get("backend") not in (None, "auto"):
+        return str(job["backend"])
+    return "gloo" if node.get("simulated") else "nccl"
+
+
+def torchrun_argv(
+    job: Mapping[str, Any], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+) -> list[str]:
+    """Return the unit's ExecStart as an argv list for this host."""
+    hosts = job_hosts(job, groups)
+    node = nodes.get(host) or {}
+    nproc = job_nproc(job, node)
+    if nproc is None:
+        raise AnsibleFilterError(
+            f"{host}: job {job.get('name')}: cannot tell nproc_per_node: no GPU facts (run the probe first)"
+        )
+    addr = job_master_addr(job, groups, nodes)
+    argv = [f"{str(job['venv']).rstrip('/')}/bin/torchrun", f"--nproc-per-node={nproc}"]
+    if job.get("rendezvous") == "static":
+        rank = job_node_ranks(job, groups, nodes).get(host)
+        argv += [
+            f"--nnodes={len(hosts)}",
+            f"--node-rank={rank}",
+            f"--master-addr={addr}",
+            f"--master-port={job['port']}",
+        ]
+    else:
+        argv += [
+            f"--nnodes={len(hosts)}:{len(hosts)}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={addr}:{job['port']}",
+            f"--rdzv-id={job['name']}",
+            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)}",
+        ]
+    if node.get("cluster_address"):
+        # Workers find rank 0 by the address its agent advertises: the cluster one, not the hostname.
+        argv.append(f"--local-addr={node['cluster_address']}")
+    argv.append(f"--max-restarts={job['max_restarts']}")
+    if job.get("module"):
+        argv += ["--module", str(job["module"])]
+    else:
+        argv.append(str(job["script"]))
+    argv += [str(arg) for arg in job.get("args") or []]
+    return argv
+
+
+def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, Any]) -> dict[str, str]:
+    """Return the job's env file for this host: what the collection sets, then the user's variables."""
+    node = nodes.get(host) or {}
+    env = {
+        "BUDGETGPU_JOB": str(job["name"]),
+        "BUDGETGPU_CHECKPOINT_DIR": str(job["checkpoint_dir"]),
+        "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
+        "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
+        "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update({str(k): str(v) for k, v in (job.get("environment") or {}).items()})
+    return env
+
+
+def systemd_quote(value: Any) -> str:
+    """Return one word for ExecStart= or an env file, double-quoted with systemd's escapes."""
+    text = str(value)
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def systemd_exec(argv: list[str]) -> str:
+    """Return an argv list as an ExecStart= command line ($ and % doubled: no expansion)."""
+    return " ".join(systemd_quote(a).replace("$", "$$").replace("%", "%%") for a in argv)
+
+
+def torchrun_plan(
+    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Return the normalised jobs that run on host, each with its exec line and env for this host."""
+    plan = []
+    for job in jobs:
+        if host not in job_hosts(job, groups):
+            continue
+        item = dict(job)
+        if job.get("state") != "absent":
+            item["argv"] = torchrun_argv(job, host, groups, nodes)
+            item["exec_start"] = systemd_exec(item["argv"])
+            item["env"] = torchrun_environment(job, host, nodes)
+        plan.append(item)
+    return plan
+
+
+class FilterModule:
+    """torchrun job filters."""
+
+    def filters(self) -> dict[str, Any]:
+        return {
+            "torchrun_job_normalize": torchrun_job_normalize,
+            "torchrun_jobs_normalize": torchrun_jobs_normalize,
+            "torchrun_plan": torchrun_plan,
+            "torchrun_unit_name": unit_name,
+            "cluster_nodes": cluster_nodes,
+            "systemd_quote": systemd_quote,
+            "systemd_exec": systemd_exec,
+        }

@@ -1,0 +1,338 @@
+"""The cluster-wide preflight checks and the torchrun job filters, on hand-made clusters."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.filter.preflight import (
+    cluster_check,
+    preflight_script_paths,
+)
+from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import (
+    cluster_nodes,
+    systemd_exec,
+    torchrun_environment,
+    torchrun_jobs_normalize,
+    torchrun_plan,
+)
+
+GROUPS = {"all": ["node1", "node2"], "gpu_nodes": ["node1", "node2"], "other": ["node3"], "ungrouped": []}
+EXAMPLE = "/opt/budgetgpu/examples/train_ddp.py"
+
+
+def gpus_fact(count: int = 4, model: str = "NVIDIA GeForce RTX 3090", driver: str = "550.54.14") -> dict[str, Any]:
+    return {
+        "driver": {"state": "loaded", "version": driver},
+        "count": count,
+        "gpus": [{"index": i, "name": model} for i in range(count)],
+    }
+
+
+def pcie_fact(widths: tuple[int, ...] = (16, 16, 4, 4), model: str = "NVIDIA GeForce RTX 3090") -> dict[str, Any]:
+    return {
+        "count": len(widths),
+        "gpus": [
+            {
+                "bus_id": f"0000:0{i + 1}:00.0",
+                "name": model,
+                "effective": {"gen": 3, "width": w, "gen_best": 3},
+                "limiting_hop": f"0000:0{i + 1}:00.0",
+            }
+            for i, w in enumerate(widths)
+        ],
+    }
+
+
+def hostvars(**over: Any) -> dict[str, Any]:
+    facts = {
+        "budgetgpu_gpus": gpus_fact(),
+        "budgetgpu_pcie": pcie_fact(),
+        "budgetgpu_python_env": {"python": "3.11.2", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3"},
+        "processor_nproc": 16,
+    }
+    facts.update(over.pop("facts", {}))
+    return {"ansible_facts": facts, "_preflight_scripts_found": {"/srv/train.py": True}, **over}
+
+
+def make_nodes(**per_host: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    hv = {"node1": hostvars(), "node2": hostvars(), "node3": hostvars()}
+    for host, over in per_host.items():
+        hv[host] = hostvars(**copy.deepcopy(over))
+    return cluster_nodes(hv, ["node1", "node2"])
+
+
+def jobs(*items: dict[str, Any]) -> list[dict[str, Any]]:
+    return torchrun_jobs_normalize([{"name": "pretrain", "script": "/srv/train.py", **i} for i in items])
+
+
+def check(job_list: list[dict[str, Any]], nodes: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
+    return cluster_check(nodes or make_nodes(), job_list, GROUPS, {"provided_scripts": [EXAMPLE], **options})
+
+
+def fields(result: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(p["host"], p["field"]) for p in result["problems"]}
+
+
+def test_a_good_cluster_passes_with_a_report_per_node():
+    result = check(jobs({}))
+    assert result["problems"] == []
+    assert result["report"][0].startswith("budgetgpu preflight: 2 nodes, 1 jobs: 0 problems")
+    assert any(
+        "node node1: 4 GPUs (4x NVIDIA GeForce RTX 3090), driver 550.54.14, 16 CPUs" in line
+        for line in result["report"]
+    )
+
+
+@pytest.mark.parametrize("name", ["my job", "a/b", "", "../etc", None, "ok\n"])
+def test_a_job_name_with_spaces_or_slashes_fails(name):
+    result = check(jobs({"name": name}))
+    assert ("node1,node2", "name") in fields(result)
+    line = next(line for line in result["report"] if "name:" in line)
+    assert line.startswith("FAIL node1,node2:") and "expected letters, digits" in line
+
+
+def test_duplicate_ranks_fail_on_both_hosts():
+    result = check(jobs({"rendezvous": "static", "node_ranks": {"node1": 0, "node2": 0}}))
+    assert {("node1", "node_rank"), ("node2", "node_rank")} <= fields(result)
+    assert any("node2 has rank 0 too" in p["hint"] for p in result["problems"])
+
+
+def test_duplicate_ranks_from_host_vars_fail():
+    nodes = make_nodes(node1={"torchrun_node_rank": 1}, node2={"torchrun_node_rank": 1})
+    result = check(jobs({"rendezvous": "static"}), nodes)
+    assert {("node1", "node_rank"), ("node2", "node_rank")} <= fields(result)
+
+
+def test_ranks_must_be_contiguous_and_the_static_master_rank_0():
+    result = check(jobs({"rendezvous": "static", "node_ranks": {"node1": 0, "node2": 2}}))
+    assert ("node2", "node_rank") in fields(result)
+    result = check(jobs({"rendezvous": "static", "node_ranks": {"node1": 1, "node2": 0}}))
+    assert ("node1", "node_rank") in fields(result)
+
+
+def test_a_rank_for_a_host_outside_the_group_fails():
+    result = check(jobs({"node_ranks": {"node1": 0, "node2": 1, "node3": 2}}))
+    assert ("node3", "node_ranks") in fields(result)
+
+
+def test_a_master_outside_the_group_fails():
+    result = check(jobs({"master": "node3"}))
+    assert ("node1,node2", "master") in fields(result)
+    assert "node3" in result["problems"][0]["found"]
+
+
+@pytest.mark.parametrize("nproc", [0, 5, -1, "four", True])
+def test_nproc_per_node_out_of_range_fails(nproc):
+    result = check(jobs({"nproc_per_node": nproc}))
+    assert any(f == "nproc_per_node" for _, f in fields(result)), result["report"]
+
+
+def test_nproc_above_the_gpu_count_names_each_host():
+    nodes = make_nodes(node2={"facts": {"budgetgpu_gpus": gpus_fact(count=1), "budgetgpu_pcie": pcie_fact((16,))}})
+    result = check(jobs({"nproc_per_node": 2}), nodes)
+    assert fields(result) == {("node2", "nproc_per_node")}
+    assert result["problems"][0]["expected"] == "1 to 1 (GPUs on node2)"
+
+
+def test_gpu_count_comes_from_pcie_when_the_driver_is_not_loaded():
+    no_driver = {"driver": {"state": "no_driver"}, "count": 0, "gpus": []}
+    nodes = make_nodes(node1={"facts": {"budgetgpu_gpus": no_driver}}, node2={"facts": {"budgetgpu_gpus": no_driver}})
+    assert check(jobs({"nproc_per_node": 4}), nodes)["problems"] == []
+    nodes = make_nodes(node1={"facts": {"budgetgpu_gpus": no_driver, "budgetgpu_pcie": pcie_fact(())}})
+    result = check(jobs({}), nodes)
+    assert fields(result) == {("node1", "nproc_per_node")}
+    assert "no GPU" in result["problems"][0]["hint"]
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2", "C10D", None, ""])
+def test_an_unknown_rendezvous_backend_fails(backend):
+    result = check(jobs({"rendezvous": backend}))
+    assert ("node1,node2", "rendezvous") in fields(result)
+
+
+def test_two_jobs_on_one_port_fail():
+    result = check(jobs({}, {"name": "eval", "script": "/srv/train.py"}))
+    assert ("node1,node2", "port") in fields(result)
+    assert "job pretrain" in result["problems"][0]["expected"]
+    assert check(jobs({}, {"name": "eval", "port": 29501}))["problems"] == []
+
+
+def test_jobs_on_disjoint_nodes_may_share_a_port():
+    hv = {"node1": hostvars(), "node2": hostvars(), "node3": hostvars()}
+    nodes = cluster_nodes(hv, ["node1", "node2", "node3"])
+    job_list = jobs({}, {"name": "eval", "nodes": "other"})
+    assert cluster_check(nodes, job_list, GROUPS, {"min_cpus_per_process": 1})["problems"] == []
+
+
+def test_a_missing_script_fails_on_that_host_only():
+    nodes = make_nodes(node2={"_preflight_scripts_found": {"/srv/train.py": False}})
+    result = check(jobs({}), nodes)
+    assert fields(result) == {("node2", "script")}
+    assert "/srv/train.py (missing)" in result["report"][-1]
+
+
+def test_script_paths_skip_the_collections_own_example():
+    job_list = jobs(
+        {"script": EXAMPLE},
+        {"name": "b", "script": "rel.py", "port": 1},
+        {"name": "c", "module": "m", "script": None, "port": 2},
+    )
+    assert preflight_script_paths(job_list, "node1", GROUPS, [EXAMPLE]) == ["/var/lib/budgetgpu/jobs/b/rel.py"]
+    assert preflight_script_paths(job_list, "node3", GROUPS, [EXAMPLE]) == []
+
+
+def test_script_and_module_are_exclusive():
+    assert ("node1,node2", "script") in fields(check(jobs({"module": "pkg.train"})))
+    assert ("node1,node2", "script") in fields(check(jobs({"script": None})))
+
+
+def test_mixed_gpu_models_fail_unless_allowed():
+    nodes = make_nodes(node2={"facts": {"budgetgpu_gpus": gpus_fact(model="NVIDIA GeForce RTX 4090")}})
+    result = check(jobs({}), nodes)
+    assert fields(result) == {("node2", "gpu model")}
+    assert "as on node1" in result["problems"][0]["expected"]
+    assert check(jobs({"allow_mixed_gpus": True}), nodes)["problems"] == []
+
+
+def test_mixed_gpus_within_one_node_fail():
+    mixed = gpus_fact()
+    mixed["gpus"][1]["name"] = "NVIDIA GeForce RTX 4090"
+    result = check(jobs({}), make_nodes(node1={"facts": {"budgetgpu_gpus": mixed}}))
+    assert ("node1", "gpu model") in fields(result)
+
+
+def test_driver_major_and_venv_versions_must_agree():
+    env = {"python": "3.11.2", "torch": "2.12.0", "cuda": "12.6", "nccl": "2.27.3"}
+    nodes = make_nodes(node2={"facts": {"budgetgpu_gpus": gpus_fact(driver="535.261.03"), "budgetgpu_python_env": env}})
+    result = check(jobs({}), nodes)
+    assert fields(result) == {("node2", "driver major"), ("node2", "torch"), ("node2", "cuda")}
+    assert all("as on node1" in p["expected"] for p in result["problems"])
+
+
+def test_an_unprobed_node_fails():
+    result = check(jobs({}), cluster_nodes({"node1": hostvars(), "node2": {}}, ["node1", "node2"]))
+    assert fields(result) == {("node2", "budgetgpu_gpus")}
+
+
+def test_few_cpus_per_process_is_a_warning_only():
+    result = check(jobs({}), make_nodes(node1={"facts": {"processor_nproc": 2}}))
+    assert result["problems"] == []
+    assert [(w["host"], w["field"]) for w in result["warnings"]] == [("node1", "cpus per process")]
+    assert any(line.startswith("WARN node1: job pretrain cpus per process") for line in result["report"])
+
+
+def test_pcie_links_below_the_expected_width_fail():
+    nodes = make_nodes(
+        node1={"preflight_pcie_min_width": 8}, node2={"preflight_pcie_expected": {"0000:01:00.0": {"gen": 4}}}
+    )
+    result = check(jobs({}), nodes)
+    assert fields(result) == {
+        ("node1", "pcie 0000:03:00.0 width"),
+        ("node1", "pcie 0000:04:00.0 width"),
+        ("node2", "pcie 0000:01:00.0 gen"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("port", 0),
+        ("port", 70000),
+        ("port", "29500"),
+        ("max_restarts", -1),
+        ("checkpoint_every_minutes", -5),
+        ("checkpoint_every_steps", 1.5),
+        ("venv", "relative/venv"),
+        ("workdir", "tmp"),
+        ("environment", {"BAD-NAME": "1"}),
+        ("environment", ["A=1"]),
+        ("user", "root"),
+        ("user", "Bad User"),
+        ("backend", "mpi"),
+        ("state", "running"),
+        ("enabled", "yes"),
+        ("nodes", "no_such_group"),
+        ("nprocs", 2),
+    ],
+)
+def test_bad_fields_are_named(key, value):
+    result = check(jobs({key: value}))
+    assert any(f.split(".")[0] == key for _, f in fields(result)), result["report"]
+    assert all(line.startswith(("budgetgpu", "  node", "FAIL", "WARN")) for line in result["report"])
+
+
+def test_duplicate_job_names_fail():
+    result = check(jobs({}, {"port": 29501}))
+    assert ("all", "name") in fields(result)
+
+
+def test_different_torchrun_jobs_per_host_fail():
+    nodes = make_nodes(node1={"_preflight_jobs_digest": "a"}, node2={"_preflight_jobs_digest": "b"})
+    assert fields(check(jobs({}), nodes)) == {("node2", "torchrun_jobs")}
+
+
+# --- the units' command lines -------------------------------------------------------------
+
+
+def test_c10d_plan_runs_torchrun_with_the_rendezvous_on_the_master():
+    nodes = make_nodes()
+    (job,) = torchrun_plan(jobs({"nproc_per_node": 2, "args": ["--lr", "0.1"]}), "node2", GROUPS, nodes)
+    assert job["argv"] == [
+        "/opt/budgetgpu/venv/bin/torchrun",
+        "--nproc-per-node=2",
+        "--nnodes=2:2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node1:29500",
+        "--rdzv-id=pretrain",
+        "--rdzv-conf=join_timeout=900",
+        "--max-restarts=3",
+        "/srv/train.py",
+        "--lr",
+        "0.1",
+    ]
+    assert job["unit"] == "budgetgpu-job-pretrain.service"
+    assert job["env"]["BUDGETGPU_CHECKPOINT_DIR"] == "/var/lib/budgetgpu/jobs/pretrain/checkpoints"
+    assert job["env"]["BUDGETGPU_DIST_BACKEND"] == "nccl"
+
+
+def test_static_plan_is_the_guides_command_line():
+    hv = {h: hostvars(ansible_host=f"192.168.1.1{i}") for i, h in enumerate(["node1", "node2"])}
+    nodes = cluster_nodes(hv, ["node1", "node2"])
+    (job,) = torchrun_plan(
+        jobs({"rendezvous": "static", "module": "pkg.train", "script": None}), "node2", GROUPS, nodes
+    )
+    assert job["argv"][1:6] == [
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=192.168.1.10",
+        "--master-port=29500",
+    ]
+    assert job["argv"][-2:] == ["--module", "pkg.train"]
+
+
+def test_the_cluster_interface_is_the_rendezvous_and_local_address():
+    net = {"cluster_interface": {"name": "eth1", "address": "10.0.0.1", "prefixlen": 24}}
+    hv = {"node1": hostvars(facts={"budgetgpu_net": net}), "node2": hostvars()}
+    nodes = cluster_nodes(hv, ["node1", "node2"])
+    (job,) = torchrun_plan(jobs({}), "node1", GROUPS, nodes)
+    assert "--rdzv-endpoint=10.0.0.1:29500" in job["argv"]
+    assert "--local-addr=10.0.0.1" in job["argv"]
+
+
+def test_simulated_nodes_train_with_gloo_and_user_env_comes_last():
+    nodes = make_nodes(node1={"budgetgpu_simulated": True})
+    job = jobs({"environment": {"NCCL_DEBUG": "INFO", "BUDGETGPU_CHECKPOINT_DIR": "/data/ckpt"}})[0]
+    env = torchrun_environment(job, "node1", nodes)
+    assert env["BUDGETGPU_DIST_BACKEND"] == "gloo"
+    assert env["BUDGETGPU_CHECKPOINT_DIR"] == "/data/ckpt"
+
+
+def test_exec_lines_are_quoted_for_systemd():
+    assert systemd_exec(["/bin/x", 'a "b"', "50%", "$HOME", "c\\d"]) == r'"/bin/x" "a \"b\"" "50%%" "$$HOME" "c\\d"'
+
+
+def test_hosts_outside_every_job_get_an_empty_plan():
+    assert torchrun_plan(jobs({}), "node3", GROUPS, make_nodes()) == []
