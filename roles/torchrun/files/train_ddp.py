@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""budgetgpu's example DDP job: the guide's train_distributed.py, made to survive crashes.
+
+Launch it with torchrun (the budgetgpu-job-<name> unit does):
+
+    torchrun --nproc-per-node=4 --nnodes=2:2 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 \\
+        --rdzv-id=demo train_ddp.py --max-steps 100000
+
+A small MLP learns a fixed random "teacher" on synthetic data (the same for a given seed and step,
+so a resumed run sees the data it would have seen), with gradient clipping. NCCL on GPUs, gloo
+on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or steps, atomically
+(temporary file, fsync, rename); at start all ranks agree on the newest checkpoint any node has
+and load it from that node, so a node with an empty disk rejoins too. SIGTERM (systemctl stop)
+saves a checkpoint at the next step boundary. Log lines are `key=value`, for people and tests:
+
+    resumed from step 120 (checkpoint /var/lib/budgetgpu/jobs/demo/checkpoints/step-00000120.pt, rank 0)
+    step=130 loss=0.4312 world=4 restarts=1 steps_per_s=9.8
+    checkpoint step=140 path=/var/lib/budgetgpu/jobs/demo/checkpoints/step-00000140.pt
+
+Defaults come from the environment the unit sets: BUDGETGPU_CHECKPOINT_DIR,
+BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+CHECKPOINT = re.compile(r"^step-(\d{8,})\.pt$")
+FEATURES, CLASSES = 32, 4
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-steps", type=int, default=1000, help="stop after this many optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per process and step")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs every N steps")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests, demos)")
+    parser.add_argument("--checkpoint-dir", default=env.get("BUDGETGPU_CHECKPOINT_DIR", "checkpoints"))
+    parser.add_argument(
+        "--checkpoint-every-minutes",
+        type=float,
+        default=float(env.get("BUDGETGPU_CHECKPOINT_EVERY_MINUTES", "15")),
+        help="0 turns the time-based checkpoint off",
+    )
+    parser.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        default=int(env.get("BUDGETGPU_CHECKPOINT_EVERY_STEPS", "0")),
+        help="0 turns the step-based checkpoint off",
+    )
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="how many checkpoints each node keeps")
+    parser.add_argument(
+        "--backend", choices=("auto", "nccl", "gloo"), default=env.get("BUDGETGPU_DIST_BACKEND", "auto")
+    )
+    args = parser.parse_args(argv)
+    if args.max_steps < 0 or args.log_every < 1 or args.keep_checkpoints < 1:
+        parser.error("--max-steps must be >= 0, --log-every and --keep-checkpoints >= 1")
+    return args
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """Return (step, path) of every complete checkpoint in directory, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), directory / name) for name in names if (m := CHECKPOINT.match(name))]
+    return sorted(found)
+
+
+def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+    """Write state as step-<step>.pt atomically (a reader sees the old file or the new, never half
+    of one), then drop all but the newest `keep` checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    tmp = directory / f".{final.name}.{socket.gethostname()}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    for _step, old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_latest(directory: Path) -> tuple[int, dict[str, Any] | None, Path | None]:
+    """Return (step, state, path) of the newest readable checkpoint, or (0, None, None)."""
+    for step, path in reversed(list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - a damaged file must not stop the resume
+            log(f"warning: checkpoint {path} is unreadable ({err.__class__.__name__}: {err}); trying an older one")
+            continue
+        if state.get("step") == step:
+            return step, state, path
+        log(f"warning: checkpoint {path} holds step {state.get('step')}, not {step}; trying an older one")
+    return 0, None, None
+
+
+@dataclass
+class CheckpointPolicy:
+    """When a checkpoint is due: every `minutes` of wall time and/or every `steps` steps."""
+
+    minutes: float
+    steps: int
+    last_time: float
+    last_step: int
+
+    def due(self, step: int, now: float) -> bool:
+        by_steps = self.steps > 0 and step - self.last_step >= self.steps
+        by_time = self.minutes > 0 and now - self.last_time >= self.minutes * 60
+        return by_steps or by_time
+
+    def saved(self, step: int, now: float) -> None:
+        self.last_step, self.last_time = step, now
+
+
+# --- distributed setup ---------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    restarts: int = 0
+    enabled: bool = False
+    device: torch.device = torch.device("cpu")
+
+
+def setup(backend: str) -> Dist:
+    """Join the process group torchrun describes in the environment (or run alone without one)."""
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        return Dist()
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(env["LOCAL_RANK"])
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    dist.init_process_group(backend=backend)
+    return Dist(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world=dist.get_world_size(),
+        restarts=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        enabled=True,
+        device=device,
+    )
+
+
+def agree_on_resume(ctx: Dist, directory: Path) -> tuple[int, dict[str, Any] | None, str]:
+    """Return the newest checkpoint any node has: every rank reads its own disk, the rank with the
+    newest one sends it to all (checkpoints are local to each node unless the dir is shared)."""
+    step, state, path = load_latest(directory) if ctx.local_rank == 0 else (0, None, None)
+    if not ctx.enabled:
+        return step, state, str(path)
+    offers: list[Any] = [None] * ctx.world
+    dist.all_gather_object(offers, (step, ctx.rank, str(path)))
+    best_step, source, source_path = max(offers, key=lambda o: (o[0], -o[1]))
+    if best_step == 0:
+        return 0, None, ""
+    payload: list[Any] = [None]
+    if ctx.rank == source:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = [buffer.getvalue()]
+    dist.broadcast_object_list(payload, src=source)
+    received = torch.load(io.BytesIO(payload[0]), map_location="cpu", weights_only=True)
+    return best_step, received, f"{source_path}, rank {source}"
+
+
+# --- model and data ------------------------------------------------------------------------
+
+
+def make_model(hidden: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+
+def synthetic_batch(seed: int, step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the batch of (step, rank): inputs and the labels a fixed random teacher gives them."""
+    teacher = torch.Generator().manual_seed(seed)
+    weights = torch.randn(FEATURES, CLASSES, generator=teacher)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    inputs = torch.randn(batch, FEATURES, generator=gen)
+    return inputs, (inputs @ weights).argmax(dim=1)
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT; the loop stops at the next step boundary with a checkpoint."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.signal = signum
+
+
+def train(args: argparse.Namespace) -> int:
+    ctx = setup(args.backend)
+    stop = StopRequest()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    directory = Path(args.checkpoint_dir)
+    writer = ctx.local_rank == 0  # one writer per node: every node keeps its own copy
+    model = make_model(args.hidden, args.seed).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    step, state, source = agree_on_resume(ctx, directory)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if writer:
+            log(f"resumed from step {step} ({'checkpoint ' + source if source else 'checkpoint'})")
+    elif writer:
+        log(f"no checkpoint in {directory}: starting at step 0")
+    ddp: nn.Module = model
+    if ctx.enabled:
+        ddp = DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    loss_fn = nn.CrossEntropyLoss()
+    policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
+    start_step, started = step, time.monotonic()
+
+    def checkpoint(reason: str = "") -> None:
+        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        path = save_checkpoint(directory, step, state, args.keep_checkpoints)
+        log(f"checkpoint step={step} path={path}{reason}")
+
+    if ctx.rank == 0:
+        log(f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps}")
+    while step < args.max_steps and stop.signal is None:
+        inputs, labels = synthetic_batch(args.seed, step + 1, ctx.rank, args.batch_size)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        step += 1
+        if ctx.rank == 0 and step % args.log_every == 0:
+            rate = (step - start_step) / max(time.monotonic() - started, 1e-9)
+            log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
+        now = time.monotonic()
+        if writer and policy.due(step, now):
+            checkpoint()
+            policy.saved(step, now)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    if writer and policy.last_step != step:
+        checkpoint(" (stop requested)" if stop.signal else " (final)")
+    if ctx.rank == 0:
+        log(f"{'stopped' if stop.signal else 'finished'} at step {step}")
+    if ctx.enabled and stop.signal is None:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The example training script (roles/torchrun/files/train_ddp.py): checkpoints written atomically,
+resume from the newest readable one, loss going down; in-process on CPU, and with torchrun."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "roles" / "torchrun" / "files" / "train_ddp.py"
+
+
+@pytest.fixture(scope="module")
+def train():
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_ddp"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("train_ddp", None)
+
+
+@pytest.fixture(autouse=True)
+def _alone(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "BUDGETGPU_CHECKPOINT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run(train, capsys, *argv: str) -> list[str]:
+    assert train.main(list(argv)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def steps_and_losses(lines: list[str]) -> list[tuple[int, float]]:
+    return [(int(m[1]), float(m[2])) for line in lines if (m := re.match(r"step=(\d+) loss=([\d.]+)", line))]
+
+
+def test_a_run_learns_checkpoints_every_n_steps_and_keeps_the_newest(train, capsys, tmp_path):
+    lines = run(train, capsys, "--max-steps", "60", "--log-every", "5", "--checkpoint-every-steps", "10",
+                "--checkpoint-every-minutes", "0", "--checkpoint-dir", str(tmp_path))  # fmt: skip
+    assert lines[0] == f"no checkpoint in {tmp_path}: starting at step 0"
+    losses = steps_and_losses(lines)
+    assert [s for s, _ in losses] == list(range(5, 61, 5))
+    assert losses[-1][1] < 0.6 * losses[0][1], losses
+    saved = [int(m[1]) for line in lines if (m := re.match(r"checkpoint step=(\d+) ", line))]
+    assert saved == [10, 20, 30, 40, 50, 60]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000040.pt", "step-00000050.pt", "step-00000060.pt"]
+    assert lines[-1] == "finished at step 60"
+
+
+def test_a_second_run_resumes_where_the_first_stopped(train, capsys, tmp_path):
+    common = ("--log-every", "5", "--checkpoint-every-steps", "10", "--checkpoint-dir", str(tmp_path))
+    first = run(train, capsys, "--max-steps", "25", *common)
+    assert first[-2].startswith("checkpoint step=25 ") and first[-2].endswith("(final)")
+    second = run(train, capsys, "--max-steps", "40", *common)
+    assert second[0] == f"resumed from step 25 (checkpoint {tmp_path / 'step-00000025.pt'})"
+    assert steps_and_losses(second)[0][0] == 30
+    # The resumed run continues the same trajectory as an uninterrupted one.
+    other = tmp_path / "straight"
+    straight = run(train, capsys, "--max-steps", "40", "--log-every", "5", "--checkpoint-dir", str(other))
+    assert steps_and_losses(straight)[-1] == pytest.approx(steps_and_losses(second)[-1], abs=1e-3)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(train, capsys, tmp_path):
+    run(train, capsys, "--max-steps", "20", "--checkpoint-every-steps", "10", "--checkpoint-dir", str(tmp_path))
+    (tmp_path / "step-00000020.pt").write_bytes(b"half a checkpoint")
+    lines = run(train, capsys, "--max-steps", "20", "--checkpoint-dir", str(tmp_path))
+    assert any("step-00000020.pt is unreadable" in line for line in lines)
+    assert any(line.startswith("resumed from step 10 ") for line in lines)
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_and_no_partial_file(train, tmp_path, monkeypatch):
+    train.save_checkpoint(tmp_path, 10, {"step": 10})
+
+    def crash(*_args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train.save_checkpoint(tmp_path, 20, {"step": 20})
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000010.pt"]
+    assert train.load_latest(tmp_path)[0] == 10
+
+
+def test_the_policy_saves_by_steps_or_by_minutes(train):
+    policy = train.CheckpointPolicy(minutes=15, steps=0, last_time=0.0, last_step=0)
+    assert not policy.due(1000, 899.0) and policy.due(1001, 900.0)
+    policy = train.CheckpointPolicy(minutes=0, steps=50, last_time=0.0, last_step=100)
+    assert not policy.due(149, 1e9) and policy.due(150, 0.0)
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(train, capsys, tmp_path, monkeypatch):
+    real_sleep = train.time.sleep
+    calls = {"n": 0}
+
+    def sleep_then_term(seconds):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            train.signal.raise_signal(train.signal.SIGTERM)
+        real_sleep(0)
+
+    monkeypatch.setattr(train.time, "sleep", sleep_then_term)
+    lines = run(train, capsys, "--max-steps", "1000", "--step-sleep", "0.001", "--checkpoint-dir", str(tmp_path))
+    assert lines[-2] == f"checkpoint step=7 path={tmp_path / 'step-00000007.pt'} (stop requested)"
+    assert lines[-1] == "stopped at step 7"
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_two_processes_with_gloo_share_one_checkpoint_and_resume(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", BUDGETGPU_DIST_BACKEND="gloo")
+
+    def launch(max_steps: int) -> str:
+        proc = subprocess.run(
+            [torchrun, "--standalone", "--nproc-per-node=2", str(SCRIPT), "--max-steps", str(max_steps),
+             "--log-every", "5", "--checkpoint-every-steps", "10", "--checkpoint-dir", str(tmp_path)],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    first = launch(20)
+    assert "training world=2" in first and "step=20 loss=" in first
+    second = launch(30)
+    assert "resumed from step 20 (checkpoint " in second
+    assert re.search(r"^step=25 loss=", second, re.MULTILINE)
+    assert "step=5 " not in second
