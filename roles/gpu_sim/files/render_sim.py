@@ -3,6 +3,9 @@
 
 Usage: render_sim.py PROFILE.json ROOT   (writes ROOT/devices/... and ROOT/bus/pci/devices/*)
 
+Prints "rendered" after writing the tree, or "unchanged" when ROOT already holds this profile
+(ROOT/.budgetgpu-profile records the profile's SHA-256); a tree of another profile is replaced.
+
 A profile's "pci" list holds one entry per PCI function: "bdf", "parent" (the bus id of the
 bridge above, or null on a root bus), optional "nvml" (the answers of the gpu_sim pynvml
 drop-in for a GPU) and "comment"; every other key is written verbatim as a sysfs attribute
@@ -13,8 +16,10 @@ file by path to build trees in a temporary directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -67,11 +72,29 @@ def render_sysfs(profile: dict[str, Any], root: str) -> None:
         os.symlink(f"../../../{relative}", link)
 
 
+def render_if_changed(profile_path: str, root: str) -> bool:
+    """Render the profile under root unless root already holds it; return whether it rendered."""
+    with open(profile_path, "rb") as handle:
+        digest = hashlib.sha256(handle.read()).hexdigest()
+    stamp = os.path.join(root, ".budgetgpu-profile")
+    try:
+        with open(stamp, encoding="ascii") as handle:
+            if handle.read().strip() == digest:
+                return False
+    except OSError:
+        pass
+    shutil.rmtree(root, ignore_errors=True)
+    render_sysfs(load_profile(profile_path), root)
+    with open(stamp, "w", encoding="ascii") as handle:
+        handle.write(f"{digest}\n")
+    return True
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
-    render_sysfs(load_profile(argv[1]), argv[2])
+    print("rendered" if render_if_changed(argv[1], argv[2]) else "unchanged")
     return 0
 
 

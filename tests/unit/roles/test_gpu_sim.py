@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pynvml as real_pynvml
@@ -61,3 +62,14 @@ def test_profile_nvml_and_sysfs_agree(profile, fake_pynvml, sim_tree, tmp_path):
             assert gpu["pcie"]["gen_current"] == link["link"]["current_gen"]
     else:
         assert facts_pcie["count"] > 0  # GPUs on the bus, no driver
+
+
+def test_renderer_replaces_another_profile_and_keeps_its_own(render_sim, tmp_path):
+    profiles = {p.stem: str(p) for p in PROFILES}
+    root = str(tmp_path / "sys")
+    assert render_sim.render_if_changed(profiles["h200"], root) is True
+    assert render_sim.render_if_changed(profiles["h200"], root) is False
+    assert render_sim.render_if_changed(profiles["no-driver"], root) is True
+    assert sorted(os.listdir(os.path.join(root, "bus", "pci", "devices")))[0] == "0000:00:01.0"
+    assert not os.path.exists(os.path.join(root, "devices", "pci0000:00", "0000:00:06.0"))  # the H200 is gone
+    assert pcie.probe_pcie(root)["count"] == 2
