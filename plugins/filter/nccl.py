@@ -7,6 +7,7 @@ inventory, so that the role, the tests and the report read one decision made in 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Any
 
@@ -504,6 +505,103 @@ def nccl_report_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def nccl_missing_facts(members: list[str], hostvars: Any, fact: str = "budgetgpu_net") -> list[str]:
+    """Return the members whose ansible_facts lack fact (not probed in this run nor in the fact cache)."""
+    missing = []
+    for host in members or []:
+        try:
+            facts = hostvars[host].get("ansible_facts") or {}
+        except KeyError:
+            facts = {}
+        if not facts.get(fact):
+            missing.append(host)
+    return missing
+
+
+def _endpoint(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def nccl_reachability_plan(
+    members: list[str], hostvars: Any, me: str, master: str, rendezvous_ports: list[int], probe_port: int
+) -> dict[str, Any]:
+    """Return {listen, connect, errors} for reachability.py on node `me`.
+
+    Every node listens on its NCCL address (the master also on the rendezvous ports) and connects to
+    the master's rendezvous ports and to every other member's NCCL address.
+    """
+    decisions = {}
+    errors = []
+    for host in members:
+        try:
+            decision = hostvars[host].get("nccl_network_decision")
+        except KeyError:
+            decision = None
+        if decision and decision.get("address"):
+            decisions[host] = decision
+        else:
+            errors.append(f"{host}: no NCCL decision (the host failed earlier or is unreachable)")
+    listen, connect = [], []
+    own = decisions.get(me)
+    if own:
+        listen.append(f"{_endpoint(own['address'], probe_port)}:{len(members) - 1}")
+    master_decision = decisions.get(master)
+    if master_decision:
+        for port in rendezvous_ports:
+            if me == master:
+                listen.append(f"{_endpoint(master_decision['address'], port)}:{len(members)}")
+            connect.append(f"{master} rendezvous={_endpoint(master_decision['address'], port)}")
+    for host in members:
+        if host != me and host in decisions:
+            connect.append(f"{host}={_endpoint(decisions[host]['address'], probe_port)}")
+    return {"listen": listen, "connect": connect, "errors": errors}
+
+
+def nccl_unreached_message(result: dict[str, Any], me: str, decision: dict[str, Any]) -> str:
+    """Return one line naming the node, its NCCL interface and address, and the target it missed."""
+    return (
+        f"{me} (NCCL on {decision.get('interface')} {decision.get('address')}) cannot reach {result['name']} at "
+        f"{_endpoint(result['address'], result['port'])}: {result['error']}"
+    )
+
+
+def nccl_ring(order: list[str]) -> list[dict[str, str]]:
+    """Return [{src, dst}] for each node and the next one (the links a ring all-reduce uses)."""
+    if len(order) < 2:
+        return []
+    return [{"src": src, "dst": dst} for src, dst in zip(order, order[1:] + order[:1], strict=True)]
+
+
+def nccl_line_rates(decisions: list[dict[str, Any]]) -> list[int | None]:
+    """Return each node's NCCL line rate in Mb/s, None where the link is virtual (veth, virtio) or unknown."""
+    rates: list[int | None] = []
+    for decision in decisions:
+        real = decision.get("kind") in ("physical", "bond", "vlan", "infiniband")
+        rates.append(decision.get("speed_mbps") if real else None)
+    return rates
+
+
+def nccl_iperf_results(loop_results: list[dict[str, Any]], hostvars: Any = None) -> list[dict[str, Any]]:
+    """Return [{src, dst, dst_addr, gbs, retransmits}] from a loop of `iperf3 --json` client runs."""
+    out = []
+    for result in loop_results or []:
+        item = result.get("item") or {}
+        data = json.loads(result.get("stdout") or "{}")
+        end = data.get("end") or {}
+        received = end.get("sum_received") or {}
+        bps = float(received.get("bits_per_second") or 0.0)
+        out.append(
+            {
+                "src": item.get("src"),
+                "dst": item.get("dst"),
+                "dst_addr": (data.get("start") or {}).get("connecting_to", {}).get("host"),
+                "gbs": round(bps / 8e9, 4),
+                "retransmits": (end.get("sum_sent") or {}).get("retransmits"),
+            }
+        )
+    return out
+
+
 class FilterModule:
     """budgetgpu NCCL network filters."""
 
@@ -512,6 +610,12 @@ class FilterModule:
             "nccl_env": nccl_env,
             "nccl_env_file": nccl_env_file,
             "nccl_member_addresses": nccl_member_addresses,
+            "nccl_missing_facts": nccl_missing_facts,
+            "nccl_ring": nccl_ring,
+            "nccl_line_rates": nccl_line_rates,
+            "nccl_iperf_results": nccl_iperf_results,
+            "nccl_reachability_plan": nccl_reachability_plan,
+            "nccl_unreached_message": nccl_unreached_message,
             "nccl_busbw_factor": nccl_busbw_factor,
             "nccl_busbw_floor": nccl_busbw_floor,
             "nccl_comm_report": nccl_comm_report,

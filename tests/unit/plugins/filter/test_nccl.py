@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -366,3 +367,62 @@ class TestReport:
         lines = nccl.nccl_report_table(report)
         assert "1 KB" in lines[1] and "64 MB" in lines[2] and "89%" in lines[2]
         assert lines[-1].endswith("PASS")
+
+
+def test_missing_facts_names_unprobed_members() -> None:
+    hostvars = {"node1": {"ansible_facts": {"budgetgpu_net": {"interfaces": []}}}, "node2": {"ansible_facts": {}}}
+    assert nccl.nccl_missing_facts(["node1", "node2", "node3"], hostvars) == ["node2", "node3"]
+
+
+class TestReachability:
+    HOSTVARS = {
+        "node1": {"nccl_network_decision": {"address": "10.0.0.2", "interface": "eth0"}},
+        "node2": {"nccl_network_decision": {"address": "10.0.0.3", "interface": "eth1"}},
+        "node3": {},
+    }
+
+    def test_master_listens_on_rendezvous_ports_and_everyone_connects(self) -> None:
+        plan = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node1", "node1", [29500], 29499)
+        assert plan == {
+            "listen": ["10.0.0.2:29499:1", "10.0.0.2:29500:2"],
+            "connect": ["node1 rendezvous=10.0.0.2:29500", "node2=10.0.0.3:29499"],
+            "errors": [],
+        }
+        peer = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node2", "node1", [29500], 29499)
+        assert peer["listen"] == ["10.0.0.3:29499:1"]
+        assert peer["connect"] == ["node1 rendezvous=10.0.0.2:29500", "node1=10.0.0.2:29499"]
+
+    def test_a_member_without_decision_is_named(self) -> None:
+        plan = nccl.nccl_reachability_plan(["node1", "node3"], self.HOSTVARS, "node1", "node1", [29500], 29499)
+        assert plan["errors"] == ["node3: no NCCL decision (the host failed earlier or is unreachable)"]
+
+    def test_unreached_message_names_node_interface_and_target(self) -> None:
+        result = {"name": "node1 rendezvous", "address": "10.0.0.2", "port": 29500, "error": "timed out"}
+        message = nccl.nccl_unreached_message(result, "node2", {"interface": "eth1", "address": "10.0.0.3"})
+        assert message == "node2 (NCCL on eth1 10.0.0.3) cannot reach node1 rendezvous at 10.0.0.2:29500: timed out"
+
+
+class TestCommTestHelpers:
+    def test_ring_pairs_each_node_with_the_next(self) -> None:
+        assert nccl.nccl_ring(["a", "b", "c"]) == [
+            {"src": "a", "dst": "b"},
+            {"src": "b", "dst": "c"},
+            {"src": "c", "dst": "a"},
+        ]
+        assert nccl.nccl_ring(["a"]) == []
+
+    def test_line_rates_ignore_virtual_links(self) -> None:
+        decisions = [{"kind": "physical", "speed_mbps": 10000}, {"kind": "veth", "speed_mbps": 10000}]
+        assert nccl.nccl_line_rates(decisions) == [10000, None]
+
+    def test_iperf_results_read_the_received_rate(self) -> None:
+        stdout = json.dumps(
+            {
+                "start": {"connecting_to": {"host": "10.0.0.3"}},
+                "end": {"sum_received": {"bits_per_second": 9.4e9}, "sum_sent": {"retransmits": 3}},
+            }
+        )
+        loop = [{"item": {"src": "node1", "dst": "node2"}, "stdout": stdout}]
+        assert nccl.nccl_iperf_results(loop) == [
+            {"src": "node1", "dst": "node2", "dst_addr": "10.0.0.3", "gbs": 1.175, "retransmits": 3}
+        ]
