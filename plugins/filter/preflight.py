@@ -16,8 +16,8 @@ Checks:
   one driver major, one torch/CUDA/NCCL version in the venvs, the same ``torchrun_jobs`` on
   every node; fewer CPUs per process than ``min_cpus_per_process`` is a warning;
 - across jobs: no two jobs that share a node on one port;
-- each node: PCIe links not below what the inventory expects (``preflight_pcie_min_width``,
-  ``preflight_pcie_expected``: {bus id: {width, gen}}).
+- each node: PCIe links not below what the inventory expects (``probe_pcie_min_width``,
+  ``probe_pcie_expected``: {bus id: {width, gen}}, the probe role's variables).
 """
 
 from __future__ import annotations

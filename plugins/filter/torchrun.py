@@ -136,22 +136,32 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         "driver_state": driver.get("state"),
         "driver_version": driver.get("version"),
         "pcie": pcie,
-        "python_env": facts.get("budgetgpu_python_env"),
+        "python_env": facts.get("budgetgpu_python_env")
+        or (facts.get("ansible_local") or {}).get("budgetgpu_python_env"),
         "vcpus": facts.get("processor_nproc") or facts.get("processor_vcpus"),
         "cluster_address": (cluster_if or {}).get("address"),
         "address": hostvars.get("ansible_host") or host,
         "simulated": bool(hostvars.get("budgetgpu_simulated", False)),
         "node_rank": hostvars.get("torchrun_node_rank"),
-        "pcie_min_width": hostvars.get("preflight_pcie_min_width", hostvars.get("budgetgpu_pcie_min_width")),
-        "pcie_expected": hostvars.get("preflight_pcie_expected", hostvars.get("budgetgpu_pcie_expected")) or {},
+        # The inventory's expectations for the probe (role probe); preflight checks them itself.
+        "pcie_min_width": hostvars.get("probe_pcie_min_width"),
+        "pcie_expected": hostvars.get("probe_pcie_expected") or {},
         "scripts_found": hostvars.get("_preflight_scripts_found") or {},
         "jobs_digest": hostvars.get("_preflight_jobs_digest"),
     }
 
 
-def cluster_nodes(hostvars: Mapping[str, Any], hosts: list[str]) -> dict[str, dict[str, Any]]:
-    """Return node_info for each of hosts, keyed by host."""
-    return {host: node_info(hostvars.get(host) or {}, host) for host in hosts}
+def cluster_nodes(
+    hostvars: Mapping[str, Any], hosts: list[str], failed: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Return node_info for each of hosts, keyed by host; `failed` hosts (unreachable, or their probe
+    failed in this run) count as not probed even where the fact cache still holds older facts."""
+    nodes = {}
+    for host in dict.fromkeys(hosts):
+        nodes[host] = node_info(hostvars.get(host) or {}, host)
+        if host in (failed or []):
+            nodes[host]["probed"] = False
+    return nodes
 
 
 def job_hosts(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[str]:

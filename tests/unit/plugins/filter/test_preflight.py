@@ -216,6 +216,12 @@ def test_an_unprobed_node_fails():
     assert fields(result) == {("node2", "budgetgpu_gpus")}
 
 
+def test_a_node_that_failed_this_run_is_not_probed_despite_cached_facts():
+    nodes = cluster_nodes({"node1": hostvars(), "node2": hostvars()}, ["node1", "node2", "node1"], failed=["node2"])
+    assert list(nodes) == ["node1", "node2"]
+    assert fields(check(jobs({}), nodes)) == {("node2", "budgetgpu_gpus")}
+
+
 def test_few_cpus_per_process_is_a_warning_only():
     result = check(jobs({}), make_nodes(node1={"facts": {"processor_nproc": 2}}))
     assert result["problems"] == []
@@ -224,9 +230,7 @@ def test_few_cpus_per_process_is_a_warning_only():
 
 
 def test_pcie_links_below_the_expected_width_fail():
-    nodes = make_nodes(
-        node1={"preflight_pcie_min_width": 8}, node2={"preflight_pcie_expected": {"0000:01:00.0": {"gen": 4}}}
-    )
+    nodes = make_nodes(node1={"probe_pcie_min_width": 8}, node2={"probe_pcie_expected": {"0000:01:00.0": {"gen": 4}}})
     result = check(jobs({}), nodes)
     assert fields(result) == {
         ("node1", "pcie 0000:03:00.0 width"),
