@@ -74,11 +74,17 @@ def lane_bandwidth_gbps(gen: int | None, width: int | None) -> float | None:
 
 
 def _read(path: str) -> str | None:
+    # os.open/os.read: a sysfs attribute is one small read, and the probe makes a few hundred.
     try:
-        with open(path, encoding="ascii", errors="replace") as handle:
-            return handle.read().strip()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        return os.read(fd, 4096).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _hex(text: str | None) -> int | None:
@@ -226,10 +232,21 @@ def _limiting(links: list[dict[str, Any]]) -> dict[str, Any]:
     return min(reversed(links), key=key)
 
 
-def describe_gpu(sysfs_root: str, device_dir: str) -> dict[str, Any]:
-    """Return one GPU's PCIe facts: its path from the root port, links, effective link, verdicts."""
-    gpu = read_function(device_dir)
-    path = [read_function(d) for d in _ancestor_dirs(sysfs_root, device_dir)] + [gpu]
+def describe_gpu(sysfs_root: str, device_dir: str, cache: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Return one GPU's PCIe facts: its path from the root port, links, effective link, verdicts.
+
+    cache maps device directories to read_function results, so that GPUs behind one switch
+    read the switch once.
+    """
+    cache = {} if cache is None else cache
+
+    def function_at(directory: str) -> dict[str, Any]:
+        if directory not in cache:
+            cache[directory] = read_function(directory)
+        return dict(cache[directory])
+
+    gpu = function_at(device_dir)
+    path = [function_at(d) for d in _ancestor_dirs(sysfs_root, device_dir)] + [gpu]
     gpu["role"] = "gpu"
     ends = _link_ends(path)
     links = [describe_link(port, function, function is gpu) for port, function in ends]
@@ -290,7 +307,8 @@ def gpu_device_dirs(sysfs_root: str) -> list[str]:
 
 def probe_pcie(sysfs_root: str = "/sys") -> dict[str, Any]:
     """Return {count, gpus} for every NVIDIA GPU under sysfs_root."""
-    gpus = [describe_gpu(sysfs_root, d) for d in gpu_device_dirs(sysfs_root)]
+    cache: dict[str, dict[str, Any]] = {}
+    gpus = [describe_gpu(sysfs_root, d, cache) for d in gpu_device_dirs(sysfs_root)]
     return {"sysfs_root": sysfs_root, "count": len(gpus), "gpus": gpus}
 
 
