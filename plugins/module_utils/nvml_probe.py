@@ -117,23 +117,26 @@ def driver_state_from_error(
             f"no NVIDIA driver: libnvidia-ml.so.1 is missing and no nvidia kernel module exists for kernel "
             f"{release}: install the driver (budgetgpu.cluster.nvidia_driver)"
         )
-    elif code in (ERROR_LIBRARY_NOT_FOUND, ERROR_DRIVER_NOT_LOADED) and installed:
-        state = "not_loaded"
-        reason = (
-            f"the NVIDIA driver is installed for kernel {release} but not loaded: run `modprobe nvidia` or "
-            "reboot; if it will not load, check `dmesg` for nouveau, Secure Boot or a failed DKMS build"
-        )
-    elif code == ERROR_DRIVER_NOT_LOADED:
-        state = "not_loaded"
-        reason = (
-            "libnvidia-ml is installed but the nvidia kernel module is not loaded, and none is installed "
-            f"for kernel {release}: install the driver's kernel module (DKMS) for this kernel"
-        )
     elif code == ERROR_LIB_RM_VERSION_MISMATCH:
         state = "version_mismatch"
         reason = (
             f"libnvidia-ml and the loaded nvidia kernel module ({module_version or 'unknown version'}) are from "
             "different driver releases: reboot after a driver upgrade, or unload and reload the nvidia modules"
+        )
+    # Without the kernel module NVML fails with DriverNotLoaded, or, where it may create
+    # /dev/nvidiactl itself (root in a container), with Unknown: the module decides.
+    elif module_version is None and installed:
+        state = "not_loaded"
+        reason = (
+            f"the NVIDIA driver is installed for kernel {release} but not loaded (nvmlInit: {message}): run "
+            "`modprobe nvidia` or reboot; if it will not load, check `dmesg` for nouveau, Secure Boot or a failed "
+            "DKMS build"
+        )
+    elif module_version is None:
+        state = "not_loaded"
+        reason = (
+            f"libnvidia-ml is installed but the nvidia kernel module is not loaded (nvmlInit: {message}), and none "
+            f"is installed for kernel {release}: install the driver's kernel module (DKMS) for this kernel"
         )
     else:
         state, reason = "error", f"nvmlInit failed: {message}"

@@ -131,7 +131,9 @@ def kernel_tree(tmp_path: Path, loaded: str | None, installed: bool) -> tuple[st
         (real_pynvml.NVML_ERROR_DRIVER_NOT_LOADED, None, True, "not_loaded", "modprobe nvidia"),
         (real_pynvml.NVML_ERROR_DRIVER_NOT_LOADED, None, False, "not_loaded", "none is installed"),
         (real_pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH, "550.120", True, "version_mismatch", "(550.120)"),
-        (real_pynvml.NVML_ERROR_NO_PERMISSION, None, True, "error", "Insufficient Permissions"),
+        # Root in a container: the library makes /dev/nvidiactl itself and fails with Unknown.
+        (real_pynvml.NVML_ERROR_UNKNOWN, None, False, "not_loaded", "(nvmlInit: Unknown Error)"),
+        (real_pynvml.NVML_ERROR_NO_PERMISSION, "550.120", True, "error", "Insufficient Permissions"),
     ],
 )
 def test_driver_states(tmp_path, code, loaded, installed, state, words):
