@@ -1,0 +1,110 @@
+"""The nightly run as installed on a control node: cron entry, log directory, the script as cron runs it, lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+
+import testinfra.utils.ansible_runner
+
+testinfra_hosts = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLECULE_INVENTORY_FILE"]).get_hosts("all")
+
+CRON_FILE = "/etc/cron.d/budgetgpu-nightly"
+PULL_FILE = "/etc/cron.d/budgetgpu-nightly-pull"
+LOG_DIR = "/var/log/budgetgpu/nightly"
+USER = "budgetgpu-ops"
+
+
+def cron_entry(host, path):
+    """(schedule, user, command) of the one entry in a cron.d file."""
+    lines = [line for line in host.file(path).content_string.splitlines() if line and not line.startswith("#")]
+    assert len(lines) == 1, lines
+    fields = lines[0].split(None, 6)
+    return " ".join(fields[:5]), fields[5], fields[6]
+
+
+def run_as_cron(host, command, env=""):
+    return host.run(f"su {USER} -s /bin/sh -c {shlex.quote(f'cd / && {env} {command}')}")
+
+
+def test_cron_runs_and_starts_at_boot(host):
+    cron = host.service("cron")
+    assert cron.is_running
+    assert cron.is_enabled
+
+
+def test_the_entry_runs_the_checkouts_script_nightly_as_the_operator(host):
+    schedule, user, command = cron_entry(host, CRON_FILE)
+    assert (schedule, user) == ("17 3 * * *", USER)
+    argv = shlex.split(command)
+    assert argv[0] == "/opt/budgetgpu/scripts/nightly-reprovision"
+    assert argv[argv.index("--inventory") + 1] == "/opt/budgetgpu/inventory/cluster"
+    assert argv[argv.index("--log-dir") + 1] == LOG_DIR
+    assert argv[argv.index("--keep") + 1] == "3"
+    assert "--quiet" in argv
+    assert host.file(argv[0]).mode & 0o111
+
+
+def test_the_log_directory_belongs_to_the_operator(host):
+    log_dir = host.file(LOG_DIR)
+    assert log_dir.is_directory
+    assert (log_dir.user, log_dir.mode) == (USER, 0o750)
+
+
+def test_the_pull_entry_runs_ansible_pull_for_this_node_under_a_lock(host):
+    schedule, user, command = cron_entry(host, PULL_FILE)
+    assert (schedule, user) == ("17 4 * * *", "root")
+    argv = shlex.split(command.split(" >> ")[0])
+    assert argv[:5] == ["flock", "-n", "-E", "75", "/var/log/budgetgpu/pull/nightly.lock"]
+    pull = argv[argv.index("ansible-pull") :]
+    assert pull[pull.index("--url") + 1] == "https://git.example.org/ops/budgetgpu.git"
+    assert pull[pull.index("--limit") + 1] == host.backend.get_hostname()
+    assert json.loads(pull[pull.index("--extra-vars") + 1]) == {"budgetgpu_safe_mode": True}
+    assert pull[-1] == "site.yml"
+    assert "ANSIBLE_CALLBACKS_ENABLED=budgetgpu.cluster.drift_report" in argv
+    assert command.endswith(">> /var/log/budgetgpu/pull/ansible-pull.log 2>&1")
+
+
+def test_the_cron_command_reports_drift_calls_the_hook_and_rotates(host):
+    _, _, command = cron_entry(host, CRON_FILE)
+    for _ in range(4):
+        done = run_as_cron(host, command)
+        assert done.rc == 10, done.stdout + done.stderr
+    summary = host.file(f"{LOG_DIR}/latest/summary.txt").content_string
+    assert "drift fixed (exit 10)" in summary.splitlines()[0]
+    assert "strategy linear" in summary
+    assert "  changed  nccl_network: Write the NCCL environment file" in summary
+    assert "node2: no drift" in summary
+    assert host.file("/tmp/nightly-hook.txt").content_string == "status 10\n" + summary
+    runs = host.check_output(f"ls {LOG_DIR}").split()
+    assert len([run for run in runs if run[:8].isdigit()]) == 3, runs
+    report = json.loads(host.file(f"{LOG_DIR}/latest/drift.json").content_string)
+    assert report["nightly"]["status"] == 10
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_lock(host):
+    _, _, command = cron_entry(host, CRON_FILE)
+    host.run("systemctl reset-failed nightly-first.service")
+    started = host.run(
+        f"systemd-run --unit nightly-first --uid {USER} --setenv FAKE_SLEEP=6 /bin/sh -c {shlex.quote(command)}"
+    )
+    assert started.rc == 0, started.stderr
+    lock = f"{LOG_DIR}/nightly.lock"
+    holder = {}
+    for _ in range(100):
+        text = host.run(f"cat {lock}").stdout.strip()
+        if text:
+            holder = json.loads(text)
+            break
+        time.sleep(0.1)
+    assert holder, "the first run never wrote its details into the lock file"
+    second = run_as_cron(host, command)
+    assert second.rc == 75, second.stdout + second.stderr
+    assert f"another nightly run holds the lock {lock}: PID {holder['pid']} on" in second.stderr
+    assert f"started {holder['started']}" in second.stderr
+    # the first run is unharmed and finishes with its report
+    host.run("for i in $(seq 60); do systemctl is-active -q nightly-first.service || break; sleep 0.5; done")
+    assert host.run(f"cat {lock}").stdout == ""
+    assert "drift fixed" in host.file(f"{LOG_DIR}/latest/summary.txt").content_string
