@@ -38,12 +38,14 @@ options:
         key: output
 """
 
-# Facts that roles set for the report (CONTRIBUTING.md, "Safe mode"); the last value seen wins.
+# Facts that roles set for the report (CONTRIBUTING.md, "Safe mode"); the last value seen wins,
+# except for budgetgpu_pending: every playbook's probe resets it to [], so the report keeps every
+# entry seen during the run.
 REPORTED_FACTS = {
-    "budgetgpu_pending": "pending",
     "budgetgpu_jobs_active": "jobs_active",
     "budgetgpu_disruption_allowed": "disruption_allowed",
 }
+PENDING_FACT = "budgetgpu_pending"
 REPORT_FORMAT = 1
 MESSAGE_LIMIT = 600
 
@@ -141,10 +143,14 @@ class CallbackModule(CallbackBase):
         self.play = play.get_name().strip()
 
     def record_facts(self, host: str, result: dict[str, Any]) -> None:
+        record = self.host(host)
         for facts in facts_in(result):
             for fact, key in REPORTED_FACTS.items():
                 if fact in facts:
-                    self.host(host)[key] = facts[fact]
+                    record[key] = facts[fact]
+            pending = facts.get(PENDING_FACT)
+            if isinstance(pending, list):
+                record["pending"] += [str(entry) for entry in pending if str(entry) not in record["pending"]]
 
     def v2_runner_on_ok(self, result: Any) -> None:
         host, task, data = result.host.get_name(), result.task, result.result

@@ -24,6 +24,13 @@ PLAYBOOK = """\
         budgetgpu_disruption_allowed: false
         budgetgpu_pending: ["container_runtime: restart docker.service to apply daemon.json"]
       when: inventory_hostname == 'busy'
+    - name: Reset the pending list as every playbook's probe does
+      ansible.builtin.set_fact:
+        budgetgpu_pending: []
+    - name: Add a second pending change
+      ansible.builtin.set_fact:
+        budgetgpu_pending: "{{ budgetgpu_pending + ['torchrun: restart pending for budgetgpu-job-main.service'] }}"
+      when: inventory_hostname == 'busy'
     - name: Write the drifted files
       ansible.builtin.copy:
         content: "{{ item }}\\n"
@@ -110,7 +117,10 @@ def test_changed_tasks_carry_their_items_and_handlers(report):
 
 def test_pending_and_jobs_come_from_the_safe_mode_facts(report):
     busy = report["hosts"]["busy"]
-    assert busy["pending"] == ["container_runtime: restart docker.service to apply daemon.json"]
+    assert busy["pending"] == [
+        "container_runtime: restart docker.service to apply daemon.json",
+        "torchrun: restart pending for budgetgpu-job-main.service",
+    ]
     assert busy["jobs_active"] == ["budgetgpu-job-main.service"]
     assert busy["disruption_allowed"] is False
 
