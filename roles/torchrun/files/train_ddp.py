@@ -13,7 +13,7 @@ on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or ste
 and load it from that node, so a node with an empty disk rejoins too. SIGTERM (systemctl stop)
 saves a checkpoint at the next step boundary. Log lines are `key=value`, for people and tests:
 
-    resumed from step 120 (checkpoint /var/lib/budgetgpu/jobs/demo/checkpoints/step-00000120.pt, rank 0)
+    resumed from step 120 (checkpoint /var/lib/budgetgpu/jobs/demo/checkpoints/step-00000120.pt)
     step=130 loss=0.4312 world=4 restarts=1 steps_per_s=9.8
     checkpoint step=140 path=/var/lib/budgetgpu/jobs/demo/checkpoints/step-00000140.pt
 
@@ -24,6 +24,7 @@ BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import os
 import re
@@ -192,24 +193,36 @@ def setup(backend: str) -> Dist:
 
 
 def agree_on_resume(ctx: Dist, directory: Path) -> tuple[int, dict[str, Any] | None, str]:
-    """Return the newest checkpoint any node has: every rank reads its own disk, the rank with the
-    newest one sends it to all (checkpoints are local to each node unless the dir is shared)."""
+    """Return the newest checkpoint any node has: every node reads its own disk, the lowest rank
+    holding the newest one sends it to all (checkpoints are local to each node unless the
+    directory is shared). Plain tensor collectives: no pickling, no numpy."""
     step, state, path = load_latest(directory) if ctx.local_rank == 0 else (0, None, None)
     if not ctx.enabled:
-        return step, state, str(path)
-    offers: list[Any] = [None] * ctx.world
-    dist.all_gather_object(offers, (step, ctx.rank, str(path)))
-    best_step, source, source_path = max(offers, key=lambda o: (o[0], -o[1]))
+        return step, state, f"checkpoint {path}" if path else ""
+    best = torch.tensor([step], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    best_step = int(best.item())
     if best_step == 0:
         return 0, None, ""
-    payload: list[Any] = [None]
+    owner = torch.tensor([ctx.rank if step == best_step else ctx.world], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(owner, op=dist.ReduceOp.MIN)
+    source = int(owner.item())
+    size = torch.zeros(1, dtype=torch.int64, device=ctx.device)
     if ctx.rank == source:
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        payload = [buffer.getvalue()]
-    dist.broadcast_object_list(payload, src=source)
-    received = torch.load(io.BytesIO(payload[0]), map_location="cpu", weights_only=True)
-    return best_step, received, f"{source_path}, rank {source}"
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(ctx.device)
+        size += payload.numel()
+    dist.broadcast(size, src=source)
+    if ctx.rank != source:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=ctx.device)
+    dist.broadcast(payload, src=source)
+    payload = payload.cpu()
+    received = torch.load(
+        io.BytesIO(ctypes.string_at(payload.data_ptr(), payload.numel())), map_location="cpu", weights_only=True
+    )
+    where = f"checkpoint {path}" if ctx.rank == source else f"checkpoint of rank {source}"
+    return best_step, received, where
 
 
 # --- model and data ------------------------------------------------------------------------
@@ -256,7 +269,7 @@ def train(args: argparse.Namespace) -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if writer:
-            log(f"resumed from step {step} ({'checkpoint ' + source if source else 'checkpoint'})")
+            log(f"resumed from step {step} ({source})")
     elif writer:
         log(f"no checkpoint in {directory}: starting at step 0")
     ddp: nn.Module = model
