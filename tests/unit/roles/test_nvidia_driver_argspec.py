@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\
@@ -206,3 +207,16 @@ def test_debian_toolkit_of_another_cuda(tmp_path):
         "node7: cuda_version is 12.4 but Debian 12",
         "nvidia-cuda-toolkit is CUDA 11.8",
     )
+
+
+@pytest.mark.parametrize("role", ["nvidia_driver", "cuda"])
+def test_defaults_argument_specs_and_readme_agree(role):
+    root = REPO / "roles" / role
+    defaults = yaml.safe_load((root / "defaults" / "main.yml").read_text())
+    options = yaml.safe_load((root / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    assert set(defaults) == set(options)
+    for name, spec in options.items():
+        assert spec.get("default") == defaults[name], name
+        assert spec.get("description"), name
+    documented = set(re.findall(r"^\| `(\w+)` \|", (root / "README.md").read_text(), re.MULTILINE))
+    assert documented == set(options)
