@@ -87,6 +87,14 @@ def torchrun_job_normalize(job: Mapping[str, Any], defaults: Mapping[str, Any] |
     merged: dict[str, Any] = dict(JOB_DEFAULTS)
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
+    # Extra vars and some inventories give numbers as strings: take "29500" as 29500.
+    for key in ("port", "max_restarts", "rendezvous_timeout", "checkpoint_every_steps", "nproc_per_node"):
+        value = merged.get(key)
+        if isinstance(value, str) and value.strip().isdigit():
+            merged[key] = int(value)
+    minutes = merged.get("checkpoint_every_minutes")
+    if isinstance(minutes, str) and re.fullmatch(r"\d+(\.\d*)?", minutes.strip()):
+        merged["checkpoint_every_minutes"] = float(minutes)
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
         merged["workdir"] = f"{STATE_ROOT}/{name}"
@@ -221,9 +229,14 @@ def job_backend(job: Mapping[str, Any], node: Mapping[str, Any]) -> str:
 
 
 def torchrun_argv(
-    job: Mapping[str, Any], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+    job: Mapping[str, Any],
+    host: str,
+    groups: Mapping[str, list[str]],
+    nodes: Mapping[str, Any],
+    launcher: str | None = None,
 ) -> list[str]:
-    """Return the unit's ExecStart as an argv list for this host."""
+    """Return the unit's ExecStart as an argv list for this host: <venv>/bin/torchrun, or the
+    launcher (a torchrun wrapper) run by the venv's python."""
     hosts = job_hosts(job, groups)
     node = nodes.get(host) or {}
     nproc = job_nproc(job, node)
@@ -232,7 +245,9 @@ def torchrun_argv(
             f"{host}: job {job.get('name')}: cannot tell nproc_per_node: no GPU facts (run the probe first)"
         )
     addr = job_master_addr(job, groups, nodes)
-    argv = [f"{str(job['venv']).rstrip('/')}/bin/torchrun", f"--nproc-per-node={nproc}"]
+    venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
+    argv = [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
+    argv.append(f"--nproc-per-node={nproc}")
     if job.get("rendezvous") == "static":
         rank = job_node_ranks(job, groups, nodes).get(host)
         argv += [
@@ -289,7 +304,11 @@ def systemd_exec(argv: list[str]) -> str:
 
 
 def torchrun_plan(
-    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+    jobs: list[Mapping[str, Any]],
+    host: str,
+    groups: Mapping[str, list[str]],
+    nodes: Mapping[str, Any],
+    launcher: str | None = None,
 ) -> list[dict[str, Any]]:
     """Return the normalised jobs that run on host, each with its exec line and env for this host."""
     plan = []
@@ -298,7 +317,7 @@ def torchrun_plan(
             continue
         item = dict(job)
         if job.get("state") != "absent":
-            item["argv"] = torchrun_argv(job, host, groups, nodes)
+            item["argv"] = torchrun_argv(job, host, groups, nodes, launcher)
             item["exec_start"] = systemd_exec(item["argv"])
             item["env"] = torchrun_environment(job, host, nodes)
         plan.append(item)

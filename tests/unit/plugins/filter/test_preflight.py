@@ -244,7 +244,7 @@ def test_pcie_links_below_the_expected_width_fail():
     [
         ("port", 0),
         ("port", 70000),
-        ("port", "29500"),
+        ("port", "high"),
         ("max_restarts", -1),
         ("checkpoint_every_minutes", -5),
         ("checkpoint_every_steps", 1.5),
@@ -265,6 +265,10 @@ def test_bad_fields_are_named(key, value):
     result = check(jobs({key: value}))
     assert any(f.split(".")[0] == key for _, f in fields(result)), result["report"]
     assert all(line.startswith(("budgetgpu", "  node", "FAIL", "WARN")) for line in result["report"])
+
+
+def test_numbers_given_as_strings_are_numbers():
+    assert check(jobs({"port": "29501", "nproc_per_node": "2", "checkpoint_every_minutes": "7.5"}))["problems"] == []
 
 
 def test_duplicate_job_names_fail():
@@ -336,6 +340,15 @@ def test_simulated_nodes_train_with_gloo_and_user_env_comes_last():
 
 def test_exec_lines_are_quoted_for_systemd():
     assert systemd_exec(["/bin/x", 'a "b"', "50%", "$HOME", "c\\d"]) == r'"/bin/x" "a \"b\"" "50%%" "$$HOME" "c\\d"'
+
+
+def test_a_launcher_runs_with_the_venvs_python():
+    (job,) = torchrun_plan(jobs({}), "node1", GROUPS, make_nodes(), "/opt/budgetgpu/bin/budgetgpu-torchrun")
+    assert job["argv"][:3] == [
+        "/opt/budgetgpu/venv/bin/python3",
+        "/opt/budgetgpu/bin/budgetgpu-torchrun",
+        "--nproc-per-node=4",
+    ]
 
 
 def test_hosts_outside_every_job_get_an_empty_plan():

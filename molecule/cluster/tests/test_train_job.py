@@ -1,0 +1,221 @@
+"""The training job across the two nodes, through the rendered units: it runs as budgetgpu with a
+clean unit, learns, checkpoints, survives an unchanged re-run and a changed input without a
+restart, resumes from its last checkpoint after a killed worker and after a stopped node, and
+stops cleanly on all nodes. Step counters come from the journal and the checkpoint files.
+
+The tests run in file order; each leaves the job running for the next (the last stops it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+NODES = ("cluster-node1", "cluster-node2")
+UNIT = "budgetgpu-job-e2e.service"
+CKPT_DIR = "/var/lib/budgetgpu/jobs/e2e/checkpoints"
+CKPT_EVERY = 20  # checkpoint_every_steps in molecule.yml
+LOG_EVERY = 5
+REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY", Path(__file__).resolve().parents[3]))
+STEP = re.compile(r"^step=(\d+) loss=([\d.]+) world=(\d+) restarts=(\d+)")
+RESUMED = re.compile(r"^resumed from step (\d+) ")
+
+
+def sh(node: str, command: str, check: bool = True) -> str:
+    proc = subprocess.run(["docker", "exec", node, "bash", "-c", command], capture_output=True, text=True, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{node}: `{command}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def journal(node: str) -> list[str]:
+    return sh(node, f"journalctl -u {UNIT} -o cat --no-pager").splitlines()
+
+
+def steps(lines: list[str]) -> list[tuple[int, float, int, int]]:
+    return [(int(m[1]), float(m[2]), int(m[3]), int(m[4])) for line in lines if (m := STEP.match(line))]
+
+
+def resumes(lines: list[str]) -> list[int]:
+    return [int(m[1]) for line in lines if (m := RESUMED.match(line))]
+
+
+def checkpoints(node: str) -> list[int]:
+    names = sh(node, f"ls {CKPT_DIR}").split()
+    return sorted(int(m[1]) for n in names if (m := re.fullmatch(r"step-(\d+)\.pt", n)))
+
+
+def show(node: str, prop: str) -> str:
+    return sh(node, f"systemctl show -p {prop} --value {UNIT}").strip()
+
+
+def latest_step() -> int:
+    return max((s[0] for node in NODES for s in steps(journal(node))), default=0)
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout: float = 180.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(2)
+    tails = {node: journal(node)[-15:] for node in NODES}
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; journal tails: {tails}")
+
+
+def new_lines(before: dict[str, int]) -> dict[str, list[str]]:
+    return {node: journal(node)[before[node] :] for node in NODES}
+
+
+def playbook(*args: str) -> str:
+    """Run playbooks/train.yml against the scenario's nodes, as a user would."""
+    ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")
+    proc = subprocess.run(
+        [str(ansible_playbook), "-i", os.environ["MOLECULE_INVENTORY_FILE"], str(REPO / "playbooks/train.yml"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def recap_changed(output: str) -> dict[str, int]:
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.MULTILINE)}
+
+
+def main_pids() -> dict[str, str]:
+    return {node: show(node, "MainPID") for node in NODES}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _job_running():
+    for node in NODES:
+        assert show(node, "ActiveState") == "active", f"{node}: {UNIT} is not running after converge"
+
+
+def test_units_verify_clean_and_the_job_runs_as_budgetgpu():
+    for node in NODES:
+        sh(node, f"systemd-analyze verify /etc/systemd/system/{UNIT}")
+        unit = sh(node, f"cat /etc/systemd/system/{UNIT}")
+        for directive in ("User=budgetgpu", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                          "Restart=on-failure", "EnvironmentFile=-/etc/budgetgpu/nccl.env", "--rdzv-backend=c10d"):  # fmt: skip
+            assert directive in unit, f"{node}: {directive} missing from {UNIT}"
+        pid = show(node, "MainPID")
+        users = sh(node, f"ps -o user:20=,args= --pid {pid} --ppid {pid}").splitlines()
+        assert len(users) == 3, users  # torchrun and its 2 workers
+        assert {line.split()[0] for line in users} == {"budgetgpu"}, users
+        assert sum("train_ddp.py" in line and "torchrun" not in line for line in users) == 2, users
+
+
+def test_the_rendezvous_forms_and_the_loss_goes_down():
+    wait_for("40 steps of training", lambda: latest_step() >= 40)
+    rank0 = [s for node in NODES for s in steps(journal(node))]
+    assert {world for _, _, world, _ in rank0} == {4}, "2 nodes x 2 processes"
+    history = sorted(rank0)
+    first, last = history[:3], history[-3:]
+    first_loss, last_loss = sum(s[1] for s in first) / 3, sum(s[1] for s in last) / 3
+    assert last_loss < 0.7 * first_loss, (first, last)
+
+
+def test_checkpoints_appear_on_every_node():
+    for node in NODES:
+        found = wait_for(f"checkpoints on {node}", lambda node=node: checkpoints(node))
+        owner = sh(node, f"stat -c %U {CKPT_DIR}/step-{found[-1]:08d}.pt").strip()
+        assert owner == "budgetgpu"
+        assert sh(node, f"ls -a {CKPT_DIR}").count(".tmp") == 0
+
+
+def test_an_unchanged_rerun_changes_nothing_and_keeps_the_job_running():
+    before = main_pids()
+    out = playbook()
+    assert recap_changed(out) == {node: 0 for node in NODES}, out[-1500:]
+    assert main_pids() == before
+
+
+def test_a_changed_input_is_restart_pending_without_a_restart():
+    before = main_pids()
+    out = playbook("-e", '{"torchrun_job_defaults": {"environment": {"E2E_MARK": "changed"}}}')
+    assert "restart pending: job e2e runs with old inputs" in out
+    assert main_pids() == before
+    for node in NODES:
+        assert "E2E_MARK" in sh(node, "cat /etc/budgetgpu/jobs/e2e.env")
+        sh(node, "test -f /var/lib/budgetgpu/jobs/e2e/restart-pending")
+
+
+def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
+    restarts = {node: int(show(node, "NRestarts")) for node in NODES}
+    before = {node: len(journal(node)) for node in NODES}
+    saved_before = max(max(checkpoints(node), default=0) for node in NODES)
+    pid = show("cluster-node2", "MainPID")
+    victim = sh("cluster-node2", f"ps -o pid=,args= --ppid {pid} | grep train_ddp.py | head -n1")
+    sh("cluster-node2", f"kill -9 {victim.split()[0]}")
+    started = time.monotonic()
+    resumed = wait_for(
+        "the job to resume after the kill",
+        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
+        timeout=240,
+    )
+    step_at = min(resumed)
+    wait_for("steps after the resume", lambda: latest_step() > step_at + LOG_EVERY, timeout=120)
+    lines = new_lines(before)
+    cut = {
+        node: next(i for i, line in enumerate(lines[node] + [""]) if RESUMED.match(line) or not line) for node in NODES
+    }
+    done_before = max(
+        [s[0] for node in NODES for s in steps(journal(node)[: before[node]])]
+        + [s[0] for node in NODES for s in steps(lines[node][: cut[node]])]
+    )
+    after = [s[0] for node in NODES for s in steps(lines[node][cut[node] :])]
+    print(
+        f"kill: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at} "
+        f"after {time.monotonic() - started:.0f} s, then steps {sorted(after)[:4]}"
+    )
+    assert step_at >= saved_before > 0
+    assert done_before - step_at <= CKPT_EVERY + LOG_EVERY, "more than one checkpoint interval lost"
+    assert after and min(after) > step_at
+    # torchrun gave up (max_restarts 0) and systemd restarted the units (Restart=on-failure).
+    assert int(show("cluster-node2", "NRestarts")) > restarts["cluster-node2"]
+
+
+def test_a_stopped_and_started_node_rejoins_and_resumes():
+    before = {node: len(journal(node)) for node in NODES}
+    sh("cluster-node2", f"systemctl stop {UNIT}")
+    assert show("cluster-node2", "ActiveState") == "inactive"
+    assert show("cluster-node2", "Result") == "success"
+    saved_before = max(max(checkpoints(node), default=0) for node in NODES)
+    done_before = latest_step()
+    time.sleep(3)
+    sh("cluster-node2", f"systemctl start {UNIT}")
+    resumed = wait_for(
+        "the job to resume after the node came back",
+        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
+        timeout=240,
+    )
+    step_at = max(resumed)
+    wait_for("steps after the node came back", lambda: latest_step() > step_at + LOG_EVERY, timeout=240)
+    print(f"node stop: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at}")
+    assert step_at >= saved_before > 0
+    assert done_before - step_at <= CKPT_EVERY + LOG_EVERY
+
+
+def test_the_job_stops_cleanly_on_all_nodes():
+    out = playbook("-e", "job_state=stopped")
+    assert "FAILED" not in out
+    for node in NODES:
+        assert show(node, "ActiveState") == "inactive"
+        assert show(node, "Result") == "success"
+        assert show(node, "UnitFileState") == "disabled"
+        assert sh(node, "pgrep -u budgetgpu -f train_ddp.py", check=False) == ""
+    final = [line for node in NODES for line in journal(node) if line.endswith("(stop requested)")]
+    assert final, "a checkpoint at the stop"
