@@ -115,3 +115,27 @@ def test_docker_node_has_docker_ce_from_the_signed_repository_pinned_and_held(ho
     assert not host.package("docker.io").is_installed
     held = set(host.check_output("apt-mark showhold").split())
     assert {"docker-ce", "docker-ce-cli", "containerd.io", "nvidia-container-toolkit"} <= held
+
+
+# Last: it restarts the daemon (the PID test above reads the runs recorded by converge).
+def test_a_running_container_survives_a_daemon_restart(host):
+    if host.backend.host != NODE1:
+        pytest.skip("real daemon on node1 only")
+    # No registry is reachable: an image of /bin/sleep and its libraries, from the node itself.
+    host.check_output(
+        "cd / && tar -ch bin/sleep lib/x86_64-linux-gnu/libc.so.6 lib64/ld-linux-x86-64.so.2"
+        " | docker import - budgetgpu/sleeper:test"
+    )
+    host.run("docker rm -f live-restore-probe")
+    host.check_output(
+        "docker run -d --network none --runtime nvidia --name live-restore-probe budgetgpu/sleeper:test"
+        " /bin/sleep infinity"
+    )
+    try:
+        before = host.check_output("docker inspect -f '{{.State.Status}} {{.State.Pid}}' live-restore-probe")
+        assert before.startswith("running ")
+        host.check_output("systemctl restart docker.service")
+        after = host.check_output("docker inspect -f '{{.State.Status}} {{.State.Pid}}' live-restore-probe")
+        assert after == before
+    finally:
+        host.run("docker rm -f live-restore-probe")
