@@ -155,10 +155,15 @@ def describe_infiniband(sysfs_root: str) -> list[dict[str, Any]]:
     return devices
 
 
+_CLUSTER_PREFERENCE = {"bridge": 1, "veth": 1, "docker": 2, "loopback": 3}
+
+
 def find_cluster_interface(interfaces: list[dict[str, Any]], subnet: str) -> dict[str, Any] | None:
     """Return {name, address, prefixlen} of the interface holding an address in subnet, or None."""
     network = ipaddress.ip_network(subnet, strict=False)
-    for iface in sorted(interfaces, key=lambda i: i["kind"] == "loopback"):
+    # A broad subnet (172.16.0.0/12) can also hold docker0's or a bridge's address: the NIC
+    # that carries the cluster address wins over them, loopback comes last.
+    for iface in sorted(interfaces, key=lambda i: _CLUSTER_PREFERENCE.get(i["kind"], 0)):
         for entry in iface["addresses"]:
             address = ipaddress.ip_address(entry["address"].split("%")[0])
             if address.version == network.version and address in network:

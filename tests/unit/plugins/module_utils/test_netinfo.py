@@ -144,3 +144,16 @@ def test_fallback_reads_loopback_without_iproute2():
     addresses = netinfo.read_addresses_fallback(["lo", "no-such-if0"])
     assert {"family": "ipv4", "address": "127.0.0.1", "prefixlen": 8} in addresses["lo"]
     assert addresses["no-such-if0"] == []
+
+
+def test_cluster_interface_prefers_the_nic_over_docker0_in_a_broad_subnet():
+    def iface(name, kind, address):
+        return {"name": name, "kind": kind, "addresses": [{"address": address, "prefixlen": 16}]}
+
+    interfaces = [
+        iface("docker0", "docker", "172.17.0.1"),
+        iface("br-extra", "bridge", "172.30.0.1"),
+        iface("eth0", "physical", "172.24.0.2"),
+    ]
+    assert netinfo.find_cluster_interface(interfaces, "172.16.0.0/12")["name"] == "eth0"
+    assert netinfo.find_cluster_interface(interfaces[:2], "172.16.0.0/12")["name"] == "br-extra"
