@@ -155,7 +155,7 @@ def describe_infiniband(sysfs_root: str) -> list[dict[str, Any]]:
     return devices
 
 
-_CLUSTER_PREFERENCE = {"bridge": 1, "veth": 1, "docker": 2, "loopback": 3}
+_CLUSTER_PREFERENCE = {"veth": 1, "bridge": 2, "docker": 3, "loopback": 4}
 
 
 def find_cluster_interface(interfaces: list[dict[str, Any]], subnet: str) -> dict[str, Any] | None:
