@@ -24,6 +24,15 @@ CKPT_EVERY = 20  # checkpoint_every_steps in molecule.yml
 LOG_EVERY = 5
 REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY", Path(__file__).resolve().parents[3]))
 STEP = re.compile(r"^step=(\d+) loss=([\d.]+) world=(\d+) restarts=(\d+)")
+DIRECTIVES = (
+    "User=budgetgpu",
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "PrivateTmp=yes",
+    "Restart=on-failure",
+    "EnvironmentFile=-/etc/budgetgpu/nccl.env",
+    "--rdzv-backend=c10d",
+)
 RESUMED = re.compile(r"^resumed from step (\d+) ")
 
 
@@ -108,8 +117,7 @@ def test_units_verify_clean_and_the_job_runs_as_budgetgpu():
     for node in NODES:
         sh(node, f"systemd-analyze verify /etc/systemd/system/{UNIT}")
         unit = sh(node, f"cat /etc/systemd/system/{UNIT}")
-        for directive in ("User=budgetgpu", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
-                          "Restart=on-failure", "EnvironmentFile=-/etc/budgetgpu/nccl.env", "--rdzv-backend=c10d"):  # fmt: skip
+        for directive in DIRECTIVES:
             assert directive in unit, f"{node}: {directive} missing from {UNIT}"
         pid = show(node, "MainPID")
         users = sh(node, f"ps -o user:20=,args= --pid {pid} --ppid {pid}").splitlines()
