@@ -52,7 +52,9 @@ lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every mo
 	$(BIN)/ansible-lint --profile production
 	@scripts/check-docs
 
-unit: venv ## Unit tests (pytest): modules, module_utils, filters, templates
+unit: venv wheelhouse ## Unit tests (pytest): modules, module_utils, filters, templates
+	@# The training script's tests run a real 2-process gloo job: torch's CPU build, from the wheelhouse.
+	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet --no-index --find-links .cache/wheelhouse torch==2.13.0
 	$(BIN)/pytest
 
 molecule: image wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
