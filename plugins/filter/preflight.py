@@ -411,20 +411,21 @@ def _fmt_link(gen: Any, width: Any) -> str:
     return f"gen{gen if gen is not None else '?'} x{width if width is not None else '?'}"
 
 
-def _check_pcie(host: str, node: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _check_pcie(host: str, node: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Problems where a GPU misses the inventory's expectation; warnings where a link trained low."""
     pcie = node.get("pcie") or {}
     min_width = _int_or_none(node.get("pcie_min_width"))
     expected = {str(k).lower(): v for k, v in (node.get("pcie_expected") or {}).items()}
-    if not pcie or (min_width is None and not expected):
-        return []
-    problems = []
+    problems: list[dict[str, Any]] = []
+    warnings: list[dict[str, Any]] = []
     gpus = {g.get("bus_id"): g for g in pcie.get("gpus") or []}
     for bus_id in sorted(set(expected) - set(gpus)):
         problems.append(
             _problem(host, None, f"pcie {bus_id}", "not on the PCI bus", "a GPU", "check the card, its power and riser")
         )
-    for bus_id, gpu in gpus.items():
+    for bus_id, gpu in sorted(gpus.items()):
         eff = gpu.get("effective") or {}
+        capable = gpu.get("capable") or {}
         want = expected.get(bus_id) or {}
         floors = [w for w in (min_width, _int_or_none(want.get("width"))) if w]
         where = f" (limiting hop {gpu.get('limiting_hop')})" if gpu.get("limiting_hop") not in (None, bus_id) else ""
@@ -440,18 +441,30 @@ def _check_pcie(host: str, node: Mapping[str, Any]) -> list[dict[str, Any]]:
                 )
             )
         gen = _int_or_none(want.get("gen"))
-        if gen is not None and (eff.get("gen_best") is None or eff["gen_best"] < gen):
+        # GPUs drop their link's generation at idle: compare with what the path can reach.
+        if gen is not None and (capable.get("gen") is None or capable["gen"] < gen):
             problems.append(
                 _problem(
                     host,
                     None,
                     f"pcie {bus_id} gen",
-                    f"gen{eff.get('gen_best')} at best" + where,
+                    f"gen{capable.get('gen')} at best" + where,
                     f"gen{gen}",
                     "check the riser (many hold gen3 at most) and the slot speed in the BIOS",
                 )
             )
-    return problems
+        if gpu.get("downgraded"):
+            warnings.append(
+                _problem(
+                    host,
+                    None,
+                    f"pcie {bus_id} link",
+                    _fmt_link(eff.get("gen"), eff.get("width")) + where,
+                    _fmt_link(capable.get("gen"), capable.get("width")) + " (what both ends support)",
+                    "; ".join(gpu.get("downgrade_reasons") or []),
+                )
+            )
+    return problems, warnings
 
 
 def _line(level: str, item: Mapping[str, Any]) -> str:
@@ -493,7 +506,9 @@ def cluster_check(
             )
     problems += _check_ports(jobs, groups)
     for host in sorted(nodes):
-        problems += _check_pcie(host, nodes[host])
+        pcie_problems, pcie_warnings = _check_pcie(host, nodes[host])
+        problems += pcie_problems
+        warnings += pcie_warnings
     report = [
         f"budgetgpu preflight: {len(nodes)} nodes, {len(jobs)} jobs: {len(problems)} problems, {len(warnings)} warnings"
     ]

@@ -37,7 +37,8 @@ def pcie_fact(widths: tuple[int, ...] = (16, 16, 4, 4), model: str = "NVIDIA GeF
             {
                 "bus_id": f"0000:0{i + 1}:00.0",
                 "name": model,
-                "effective": {"gen": 3, "width": w, "gen_best": 3},
+                "effective": {"gen": 3, "width": w},
+                "capable": {"gen": 3, "width": 4},
                 "limiting_hop": f"0000:0{i + 1}:00.0",
             }
             for i, w in enumerate(widths)
@@ -237,6 +238,22 @@ def test_pcie_links_below_the_expected_width_fail():
         ("node1", "pcie 0000:04:00.0 width"),
         ("node2", "pcie 0000:01:00.0 gen"),
     }
+
+
+def test_a_downgraded_link_is_a_warning_that_names_the_gpu_and_what_to_check():
+    riser = pcie_fact((16, 16, 4, 1))
+    riser["gpus"][3].update(
+        downgraded=True,
+        limiting_hop="0000:00:1d.0",
+        downgrade_reasons=["link 0000:00:1d.0 -> 0000:04:00.0 trained at x1 but both ends support x4: reseat"],
+    )
+    result = check(jobs({}), make_nodes(node2={"facts": {"budgetgpu_pcie": riser}}))
+    assert result["problems"] == []
+    warning = next(w for w in result["warnings"] if w["field"].startswith("pcie"))
+    assert (warning["host"], warning["field"]) == ("node2", "pcie 0000:04:00.0 link")
+    assert warning["found"] == "gen3 x1 (limiting hop 0000:00:1d.0)"
+    assert warning["expected"] == "gen3 x4 (what both ends support)"
+    assert any("WARN node2: pcie 0000:04:00.0 link" in line and "reseat" in line for line in result["report"])
 
 
 @pytest.mark.parametrize(
