@@ -53,7 +53,12 @@ def fake_node(gpus: int = 2, model: str = RTX) -> dict:
         "fake_pcie": {
             "count": gpus,
             "gpus": [
-                {"bus_id": f"0000:0{i + 1}:00.0", "name": model, "effective": {"gen": 3, "width": 16}, "capable": {"gen": 3, "width": 16}}
+                {
+                    "bus_id": f"0000:0{i + 1}:00.0",
+                    "name": model,
+                    "effective": {"gen": 3, "width": 16},
+                    "capable": {"gen": 3, "width": 16},
+                }
                 for i in range(gpus)
             ],
         },
