@@ -6,11 +6,10 @@ check mode): no node, no Docker. The preflight only reads (stat, slurp, getent).
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\
@@ -23,33 +22,8 @@ PLAYBOOK = """\
 
 
 def run_preflight(tmp_path: Path, extra_vars: dict) -> subprocess.CompletedProcess[str]:
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(PLAYBOOK)
-    variables = {"ansible_python_interpreter": sys.executable, **extra_vars}
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".collections"),
-        "ANSIBLE_CACHE_PLUGIN": "memory",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-    }
-    return subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            *("-i", "node5,", "-c", "local", "--check", "--tags", "container_runtime_preflight"),
-            *("-e", json.dumps(variables), str(playbook)),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
-
-
-def output_of(result: subprocess.CompletedProcess[str]) -> str:
-    return " ".join((result.stdout + result.stderr).split())
+    options = ("--check", "--tags", "container_runtime_preflight")
+    return run_playbook(tmp_path, PLAYBOOK, extra_vars, host="node5", options=options)
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *expected: str) -> None:

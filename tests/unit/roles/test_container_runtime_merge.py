@@ -7,12 +7,10 @@ sets what daemon.json holds now and reads back the merged content and the decisi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fake_host import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 ROLE = REPO / "roles/container_runtime"
@@ -36,34 +34,9 @@ PLAYBOOK = f"""\
 
 
 def merge(tmp_path: Path, current: dict, **role_vars) -> tuple[dict, bool]:
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(PLAYBOOK)
     result_file = tmp_path / "result.json"
-    variables = {
-        "ansible_python_interpreter": sys.executable,
-        "_container_runtime_current": current,
-        "result_file": str(result_file),
-        **role_vars,
-    }
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".collections"),
-        "ANSIBLE_CACHE_PLUGIN": "memory",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-    }
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            *("-i", "node3,", "-c", "local", "-e", json.dumps(variables), str(playbook)),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    variables = {"_container_runtime_current": current, "result_file": str(result_file), **role_vars}
+    result = run_playbook(tmp_path, PLAYBOOK, variables, host="node3")
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(result_file.read_text())
     return data["desired"], data["restart"]

@@ -6,15 +6,13 @@ probe facts preset, and stops at the first failure: no node, no Docker, a few se
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from fake_host import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\
@@ -52,39 +50,8 @@ def efivars(tmp_path: Path, value: bytes | None) -> str:
 
 
 def run_role(tmp_path: Path, role: str, extra_vars: dict) -> subprocess.CompletedProcess[str]:
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(PLAYBOOK.format(role=role))
-    variables = {
-        "ansible_python_interpreter": sys.executable,
-        "nvidia_driver_efivars_path": efivars(tmp_path, None),
-        **extra_vars,
-    }
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".collections"),
-        "ANSIBLE_CACHE_PLUGIN": "memory",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-    }
-    return subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            "-i",
-            "node7,",
-            "-c",
-            "local",
-            "--check",
-            "-e",
-            json.dumps(variables),
-            str(playbook),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=180,
-    )
+    variables = {"nvidia_driver_efivars_path": efivars(tmp_path, None), **extra_vars}
+    return run_playbook(tmp_path, PLAYBOOK.format(role=role), variables, options=("--check",))
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *expected: str) -> None:

@@ -6,13 +6,11 @@ mode) and stops at the first failure: no node, no Docker, a second or two each.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\
@@ -32,41 +30,11 @@ PLAYBOOK = """\
 
 
 def run_role(tmp_path: Path, extra_vars: dict, tags: str = "all") -> subprocess.CompletedProcess[str]:
-    playbook = tmp_path / "play.yml"
-    playbook.write_text(PLAYBOOK)
-    variables = {"ansible_python_interpreter": sys.executable, **extra_vars}
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".collections"),
-        "ANSIBLE_CACHE_PLUGIN": "memory",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-    }
-    return subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            "-i",
-            "node7,",
-            "-c",
-            "local",
-            "--check",
-            "--tags",
-            tags,
-            "-e",
-            json.dumps(variables),
-            str(playbook),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    return run_playbook(tmp_path, PLAYBOOK, extra_vars, options=("--check", "--tags", tags))
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *expected: str) -> None:
-    output = " ".join((result.stdout + result.stderr).split())
+    output = output_of(result)
     assert result.returncode != 0, output
     for text in expected:
         assert text in output, output
