@@ -45,6 +45,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "min_cpus_per_process": 2,
     # Scripts the collection installs itself (train.yml), so they need not exist yet.
     "provided_scripts": [],
+    # The nightly run (safe mode): a node that is down is reported, the others go on.
+    "down_nodes_ok": False,
 }
 
 
@@ -238,7 +240,7 @@ def _check_job_nodes(
     probed = [h for h in hosts if (nodes.get(h) or {}).get("probed")]
     for host in hosts:
         if host not in probed:
-            problems.append(
+            (warnings if options.get("down_nodes_ok") else problems).append(
                 _problem(
                     host,
                     name,

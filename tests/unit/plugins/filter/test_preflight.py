@@ -240,6 +240,15 @@ def test_pcie_links_below_the_expected_width_fail():
     }
 
 
+def test_a_node_that_is_down_fails_preflight_but_only_warns_in_safe_mode():
+    nodes = make_nodes(node2={"facts": {}})
+    nodes["node2"]["probed"] = False
+    assert ("node2", "budgetgpu_gpus") in fields(check(jobs({}), nodes))
+    nightly = check(jobs({}), nodes, down_nodes_ok=True)
+    assert ("node2", "budgetgpu_gpus") not in fields(nightly)
+    assert ("node2", "budgetgpu_gpus") in {(w["host"], w["field"]) for w in nightly["warnings"]}
+
+
 def test_a_downgraded_link_is_a_warning_that_names_the_gpu_and_what_to_check():
     riser = pcie_fact((16, 16, 4, 1))
     riser["gpus"][3].update(
