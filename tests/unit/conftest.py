@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,11 @@ def fake_pynvml(monkeypatch):
         return load_file_module("pynvml_sim", GPU_SIM_FILES / "pynvml.py")
 
     return load
+
+
+# ansible-core patches sys.intern when a module under test builds an AnsibleModule; torch's
+# dynamo, imported lazily by the first DDP step, then refuses the patched builtin
+# ("substitute_in_graph expects a function"). Importing it first, before any test runs, keeps
+# the training-script tests independent of the order tests run in.
+with contextlib.suppress(ImportError):
+    import torch._dynamo  # noqa: F401
