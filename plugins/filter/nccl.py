@@ -79,6 +79,11 @@ def _match_request(interfaces: list[dict[str, Any]], request: str) -> list[dict[
     return [i for i in interfaces if i["name"].startswith(prefixes)]
 
 
+def _no_interface(error: str) -> dict[str, Any]:
+    """select_interface's answer when no interface may carry NCCL: the error says what to fix."""
+    return {"interface": None, "address": None, "reason": None, "warnings": [], "errors": [error]}
+
+
 def select_interface(net: dict[str, Any], subnet: str | None, request: str | None = None) -> dict[str, Any]:
     """Return {interface, address, reason, warnings, errors} for the NCCL socket interface."""
     interfaces = [i for i in net.get("interfaces") or [] if i.get("name")]
@@ -92,16 +97,10 @@ def select_interface(net: dict[str, Any], subnet: str | None, request: str | Non
         with_address = [i for i in matches if _global_addresses(i)]
         if not with_address:
             names = ", ".join(i["name"] for i in interfaces) or "none"
-            return {
-                "interface": None,
-                "address": None,
-                "reason": None,
-                "warnings": [],
-                "errors": [
-                    f"inventory asks for interface '{request}', but no interface with an address "
-                    f"matches it (interfaces: {names}): fix nccl_network_interface"
-                ],
-            }
+            return _no_interface(
+                f"inventory asks for interface '{request}', but no interface with an address "
+                f"matches it (interfaces: {names}): fix nccl_network_interface"
+            )
         chosen = with_address[0]
         addresses = _global_addresses(chosen)
         address = next((a for a in addresses if _in_subnet(a, subnet)), addresses[0])
@@ -158,29 +157,17 @@ def select_interface(net: dict[str, Any], subnet: str | None, request: str | Non
             if i.get("kind") != "loopback"
         )
         detail = f"; {', '.join(refused)} hold it but NCCL must not use them" if refused else ""
-        return {
-            "interface": None,
-            "address": None,
-            "reason": None,
-            "warnings": [],
-            "errors": [
-                f"no usable interface has an address in the cluster subnet {subnet} (found: {seen or 'none'})"
-                f"{detail}: fix budgetgpu_cluster_subnet or set nccl_network_interface"
-            ],
-        }
+        return _no_interface(
+            f"no usable interface has an address in the cluster subnet {subnet} (found: {seen or 'none'})"
+            f"{detail}: fix budgetgpu_cluster_subnet or set nccl_network_interface"
+        )
     # No cluster subnet (one node): the fastest NIC with an address and a link.
     usable = [i for i in interfaces if i.get("kind") not in (*_NEVER_KINDS, "bridge") and _global_addresses(i)]
     if not usable:
-        return {
-            "interface": None,
-            "address": None,
-            "reason": None,
-            "warnings": [],
-            "errors": [
-                "no network interface with an address besides loopback, docker and bridges: "
-                "set budgetgpu_cluster_subnet or nccl_network_interface"
-            ],
-        }
+        return _no_interface(
+            "no network interface with an address besides loopback, docker and bridges: "
+            "set budgetgpu_cluster_subnet or nccl_network_interface"
+        )
     chosen = sorted(usable, key=_rank)[0]
     address = _global_addresses(chosen)[0]
     reason = f"fastest interface with an address (no budgetgpu_cluster_subnet set){_kind_note(chosen)}"
