@@ -86,6 +86,16 @@ def fake_pynvml(monkeypatch):
     return load
 
 
+@pytest.fixture
+def no_numpy_path(tmp_path) -> str:
+    """A PYTHONPATH entry that hides numpy: training venvs need not have it, and torch's object
+    collectives (all_gather_object, broadcast_object_list) fail without it."""
+    package = tmp_path / "no_numpy" / "numpy"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ModuleNotFoundError('numpy hidden by the test', name='numpy')\n")
+    return str(package.parent)
+
+
 # ansible-core patches sys.intern when a module under test builds an AnsibleModule; torch's
 # dynamo, imported lazily by the first DDP step, then refuses the patched builtin
 # ("substitute_in_graph expects a function"). Importing it first, before any test runs, keeps

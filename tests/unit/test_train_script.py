@@ -114,13 +114,9 @@ def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(train, capsys, tmp_p
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_two_processes_with_gloo_share_one_checkpoint_and_resume(tmp_path):
+def test_two_processes_with_gloo_share_one_checkpoint_and_resume(tmp_path, no_numpy_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    # Venvs need not have numpy: hide it (torch's object collectives would fail without it).
-    no_numpy = tmp_path / "no_numpy" / "numpy"
-    no_numpy.mkdir(parents=True)
-    (no_numpy / "__init__.py").write_text("raise ModuleNotFoundError('numpy hidden by the test', name='numpy')\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", BUDGETGPU_DIST_BACKEND="gloo", PYTHONPATH=str(no_numpy.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", BUDGETGPU_DIST_BACKEND="gloo", PYTHONPATH=no_numpy_path)
     ckpt = tmp_path / "ckpt"
 
     def launch(max_steps: int) -> str:

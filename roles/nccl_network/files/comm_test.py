@@ -147,6 +147,21 @@ def pair_bandwidth(
     return pairs
 
 
+def all_gather_json(obj: dict[str, Any], device: torch.device, world: int) -> list[dict[str, Any]]:
+    """Every rank's obj, in rank order. Plain tensor collectives: all_gather_object needs numpy,
+    which a training venv need not have."""
+    data = json.dumps(obj).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    lengths = [int(s.item()) for s in sizes]
+    buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffers = [torch.zeros_like(buffer) for _ in range(world)]
+    dist.all_gather(buffers, buffer)
+    return [json.loads(bytes(b[:n].cpu().tolist())) for b, n in zip(buffers, lengths, strict=True)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["nccl", "gloo"], required=True)
@@ -175,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "addr": os.environ.get("BUDGETGPU_NODE_ADDR", ""),
         "ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""),
     }
-    nodes: list[dict[str, Any]] = [{} for _ in range(world)]
-    dist.all_gather_object(nodes, me)
+    nodes = all_gather_json(me, device, world)
     timer = Timer(device)
     rows = sweep(args, device, timer)
     pairs = pair_bandwidth(args, device, timer, nodes)
