@@ -324,6 +324,17 @@ def torchrun_plan(
     return plan
 
 
+def systemd_show(output: str) -> dict[str, dict[str, str]]:
+    """`systemctl show --property=Id,... UNIT...` output as {unit: {property: value}}: one call for
+    every job's unit, where service_facts lists every unit on the node."""
+    units: dict[str, dict[str, str]] = {}
+    for block in str(output).strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if "Id" in props:
+            units[props["Id"]] = props
+    return units
+
+
 class FilterModule:
     """torchrun job filters."""
 
@@ -336,4 +347,5 @@ class FilterModule:
             "cluster_nodes": cluster_nodes,
             "systemd_quote": systemd_quote,
             "systemd_exec": systemd_exec,
+            "systemd_show": systemd_show,
         }

@@ -13,6 +13,7 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.preflight import (
 from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import (
     cluster_nodes,
     systemd_exec,
+    systemd_show,
     torchrun_environment,
     torchrun_jobs_normalize,
     torchrun_plan,
@@ -379,3 +380,16 @@ def test_a_launcher_runs_with_the_venvs_python():
 
 def test_hosts_outside_every_job_get_an_empty_plan():
     assert torchrun_plan(jobs({}), "node3", GROUPS, make_nodes()) == []
+
+
+def test_systemd_show_maps_each_unit_to_its_properties():
+    output = (
+        "Id=budgetgpu-job-main.service\nLoadState=loaded\nSubState=running\n\n"
+        "Id=budgetgpu-job-gone.service\nLoadState=not-found\nSubState=dead\n"
+    )
+    main, gone = "budgetgpu-job-main.service", "budgetgpu-job-gone.service"
+    assert systemd_show(output) == {
+        main: {"Id": main, "LoadState": "loaded", "SubState": "running"},
+        gone: {"Id": gone, "LoadState": "not-found", "SubState": "dead"},
+    }
+    assert systemd_show("") == {}
