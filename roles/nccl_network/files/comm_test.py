@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out + ".tmp", "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=1)
         os.replace(args.out + ".tmp", args.out)
-    dist.destroy_process_group()
+    dist.barrier()
+    # NCCL wants its communicators destroyed before exit; a destroyed gloo group can make a
+    # finished rank abort at exit (see train_ddp.py), so gloo's is left to the interpreter.
+    if args.backend == "nccl":
+        dist.destroy_process_group()
     wrong = sum(row["wrong"] for row in rows)
     if wrong:
         print(f"rank {rank}: {wrong} wrong elements after all-reduce: the transport corrupts data", file=sys.stderr)
