@@ -8,20 +8,14 @@ import json
 import os
 import pwd
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[4]
-ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+from fake_host import output_of, run_playbook
 
 
-def play(tmp_path: Path, *extra: str, files: list[dict]) -> tuple[int, dict]:
+def play(tmp_path: Path, *options: str, files: list[dict]) -> tuple[int, dict]:
     """Run one install_files task; return (exit status, the task's result)."""
-    (tmp_path / "files").mkdir(exist_ok=True)
-    playbook = tmp_path / "play.yml"
     task = {
         "name": "Install",
         "budgetgpu.cluster.install_files": {
@@ -33,16 +27,10 @@ def play(tmp_path: Path, *extra: str, files: list[dict]) -> tuple[int, dict]:
     }
     save = {"content": "{{ out | to_json }}", "dest": str(tmp_path / "out.json")}
     dump = {"name": "Save the result", "ansible.builtin.copy": save, "check_mode": False, "diff": False}
-    playbook.write_text(json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [task, dump]}]))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_CACHE_PLUGIN_CONNECTION=str(tmp_path / "facts"))  # fmt: skip
-    done = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
-         str(playbook), *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_playbook(tmp_path, json.dumps([{"hosts": "all", "gather_facts": False, "tasks": [task, dump]}]), {},
+                        options=options)  # fmt: skip
     out = tmp_path / "out.json"
-    result = json.loads(out.read_text()) if out.exists() else {"stdout": done.stdout + done.stderr}
+    result = json.loads(out.read_text()) if out.exists() else {"stdout": output_of(done)}
     out.unlink(missing_ok=True)
     return done.returncode, result
 

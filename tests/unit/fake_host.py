@@ -1,6 +1,7 @@
 """Run a playbook on a fake host: local connection, this Python, no fact cache, no Docker.
 
-The role tests use it to prove that bad input is refused before any change, in a second or two.
+The role and module tests use it: bad input refused before any change, a module run for real, in a
+second or two.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_playbook(
