@@ -83,6 +83,16 @@ def test_root_owner(tmp_path):
     assert_refused(run_role(tmp_path, {"python_env_owner": "root"}), "node7: python_env_owner is 'root'")
 
 
+def test_every_problem_is_named_in_one_run(tmp_path):
+    # One check lists them all: a tired person fixes the inventory once, not once per run.
+    assert_refused(
+        run_role(tmp_path, {"python_env_owner": "root", "python_env_wheelhouse": str(tmp_path / "no-such-dir")}),
+        "node7: python_env_owner is 'root'",
+        "node7: python_env_wheelhouse",
+        "is not a directory on the control node",
+    )
+
+
 def test_wrong_type(tmp_path):
     assert_refused(
         run_role(tmp_path, {"python_env_requirements": {"numpy": "2"}}),
