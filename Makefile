@@ -25,9 +25,9 @@ $(BIN)/ansible-playbook: requirements.txt requirements-dev.txt
 
 # ansible.cfg does not scan site-packages for collections (the PyPI `ansible` package holds 94,
 # and mitogen lists them all again for every task of a collection's module: 0.13 s a node).
-# site.yml needs none of them; .collections links ansible.posix for its profile_tasks callback.
-# (Molecule has its own configuration, which still finds community.docker in site-packages.)
-COLLECTION_LINKS := ansible/posix
+# site.yml needs none of them; .collections links ansible.posix for its profile_tasks callback
+# and community.docker for the docker connection of the nightly scenario's runs of site.yml.
+COLLECTION_LINKS := ansible/posix community/docker
 .collections/.linked: $(BIN)/ansible-playbook
 	@site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_collections && \
 	for c in $(COLLECTION_LINKS); do mkdir -p .collections/ansible_collections/$${c%/*} && \
