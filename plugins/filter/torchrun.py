@@ -24,6 +24,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+
 try:
     from ansible.errors import AnsibleFilterError
 except ImportError:  # pragma: no cover - the filters are plain functions without Ansible too
@@ -245,10 +247,17 @@ def torchrun_argv(
             f"{host}: job {job.get('name')}: cannot tell nproc_per_node: no GPU facts (run the probe first)"
         )
     addr = job_master_addr(job, groups, nodes)
+    is_master = host == job_master(job, groups)
     venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
     argv = [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
+    static = job.get("rendezvous") == "static"
+    if launcher and not (is_master if not static else job_node_ranks(job, groups, nodes).get(host) == 0):
+        # The launcher waits for the master's store before torchrun starts, so that a long
+        # outage of the master is a wait, not a row of failed starts that ends in systemd's
+        # start limit (the unit would stay failed when the master returns).
+        argv.append(f"--wait-for-master={endpoint(addr, job['port'])}")
     argv.append(f"--nproc-per-node={nproc}")
-    if job.get("rendezvous") == "static":
+    if static:
         rank = job_node_ranks(job, groups, nodes).get(host)
         argv += [
             f"--nnodes={len(hosts)}",
@@ -260,9 +269,12 @@ def torchrun_argv(
         argv += [
             f"--nnodes={len(hosts)}:{len(hosts)}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={addr}:{job['port']}",
+            f"--rdzv-endpoint={endpoint(addr, job['port'])}",
             f"--rdzv-id={job['name']}",
-            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)}",
+            # is_host: the master hosts the c10d store because the inventory says so. Left to
+            # itself torch decides by resolving its hostname, and on a stock install (hostname on
+            # 127.0.1.1, the cluster address not in /etc/hosts) no node would host it.
+            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)},is_host={int(is_master)}",
         ]
     if node.get("cluster_address"):
         # Workers find rank 0 by the address its agent advertises: the cluster one, not the hostname.
@@ -287,6 +299,12 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
         "PYTHONUNBUFFERED": "1",
     }
+    if job.get("rendezvous") != "static":
+        # The workers get a store of their own for each rendezvous round. torch's default shares
+        # the agent's store across in-place restarts, and a restarted worker then read its peers'
+        # addresses of the round before: gloo's connectFullMesh failed with "Connection refused"
+        # and every in-place restart with it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update({str(k): str(v) for k, v in (job.get("environment") or {}).items()})
     return env
 

@@ -158,6 +158,11 @@ def describe_infiniband(sysfs_root: str) -> list[dict[str, Any]]:
 _CLUSTER_PREFERENCE = {"veth": 1, "bridge": 2, "docker": 3, "loopback": 4}
 
 
+def endpoint(address: str, port: Any) -> str:
+    """Return host:port for a dialer, an IPv6 address in brackets ([fd00::1]:29500)."""
+    return f"[{address}]:{port}" if ":" in str(address) else f"{address}:{port}"
+
+
 def find_cluster_interface(interfaces: list[dict[str, Any]], subnet: str) -> dict[str, Any] | None:
     """Return {name, address, prefixlen} of the interface holding an address in subnet, or None."""
     network = ipaddress.ip_network(subnet, strict=False)

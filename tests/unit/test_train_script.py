@@ -134,3 +134,54 @@ def test_two_processes_with_gloo_share_one_checkpoint_and_resume(tmp_path, no_nu
     assert "resumed from step 20 (checkpoint " in second
     assert re.search(r"^step=25 loss=", second, re.MULTILINE)
     assert "step=5 " not in second
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_a_stop_on_one_node_stops_every_rank_at_the_same_step(tmp_path, no_numpy_path):
+    """Two "nodes" (torchrun agents over loopback), one rank each; only node B's worker gets SIGTERM,
+    as when one node is stopped first. Both must checkpoint the same step; A's rank exits 75."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", BUDGETGPU_DIST_BACKEND="gloo", PYTHONPATH=no_numpy_path,
+               GLOO_SOCKET_IFNAME="lo")  # fmt: skip
+    agents = [
+        subprocess.Popen(
+            [torchrun, "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}", "--master-addr=127.0.0.1",
+             f"--master-port={port}", "--max-restarts=0", str(SCRIPT), "--max-steps", "100000", "--log-every", "1",
+             "--step-sleep", "0.02", "--checkpoint-every-steps", "7", "--checkpoint-every-minutes", "0",
+             "--checkpoint-dir", str(tmp_path / f"node{rank}")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(2)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        worker = None
+        while worker is None and time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-P", str(agents[1].pid), "-f", "train_ddp.py"],
+                                   capture_output=True, text=True).stdout.split()  # fmt: skip
+            worker = int(found[0]) if found else None
+            time.sleep(0.2)
+        assert worker, "node B's worker did not start"
+        while not list((tmp_path / "node1").glob("step-*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # training, not starting up
+        os.kill(worker, signal.SIGTERM)
+        outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    saved = {rank: max(p.name for p in (tmp_path / f"node{rank}").glob("step-*.pt")) for rank in range(2)}
+    assert saved[0] == saved[1], (saved, outputs)
+    step = int(saved[0][5:13])
+    reason = "" if step % 7 == 0 else r" \(stop requested\)"  # a stop on a periodic step writes no second one
+    for output in outputs:
+        assert re.search(rf"^checkpoint step={step} .*{reason}$", output, re.M), output[-3000:]
+    assert f"rank 0: a peer stopped at step {step}; waiting for it to come back" in outputs[0]
+    assert agents[1].returncode == 0, outputs[1]
+    assert agents[0].returncode != 0, "node A was not stopped: it must not look finished"

@@ -11,7 +11,9 @@ so a resumed run sees the data it would have seen), with gradient clipping. NCCL
 on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or steps, atomically
 (temporary file, fsync, rename); at start all ranks agree on the newest checkpoint any node has
 and load it from that node, so a node with an empty disk rejoins too. SIGTERM (systemctl stop)
-saves a checkpoint at the next step boundary. Log lines are `key=value`, for people and tests:
+on any node stops every rank at the same step boundary, with a checkpoint of that one step on
+every node; the ranks of a node that was not stopped exit 75 and wait for it to come back. Log
+lines are `key=value`, for people and tests:
 
     resumed from step 120 (checkpoint /var/lib/budgetgpu/jobs/demo/checkpoints/step-00000120.pt)
     step=130 loss=0.4312 world=4 restarts=1 steps_per_s=9.8
@@ -43,6 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 CHECKPOINT = re.compile(r"^step-(\d{8,})\.pt$")
 FEATURES, CLASSES = 32, 4
+# Exit status of a rank that stopped because another node was stopped (not finished, not failed).
+STOPPED_BY_PEER = 75
 
 
 def log(msg: str) -> None:
@@ -246,13 +250,29 @@ def synthetic_batch(seed: int, step: int, rank: int, batch: int) -> tuple[torch.
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop stops at the next step boundary with a checkpoint."""
+    """Set by SIGTERM/SIGINT; the loop stops at the next step boundary with a checkpoint.
+
+    Ranks see the signal at different steps (one node is stopped before another, or alone), so
+    every step they agree: a stop any rank has seen is a stop for all at this same step, and the
+    checkpoint every node writes holds that one step.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.by_peer = False
 
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signal = signum
+
+    def agreed(self, ctx: Dist) -> bool:
+        """Return whether any rank was asked to stop (one all-reduce of one number)."""
+        if not ctx.enabled:
+            return self.signal is not None
+        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32, device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()) and self.signal is None:
+            self.by_peer = True
+        return bool(flag.item())
 
 
 def train(args: argparse.Namespace) -> int:
@@ -286,7 +306,7 @@ def train(args: argparse.Namespace) -> int:
 
     if ctx.rank == 0:
         log(f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps}")
-    while step < args.max_steps and stop.signal is None:
+    while step < args.max_steps and not stop.agreed(ctx):
         inputs, labels = synthetic_batch(args.seed, step + 1, ctx.rank, args.batch_size)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
@@ -303,11 +323,12 @@ def train(args: argparse.Namespace) -> int:
             policy.saved(step, now)
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    stopping = stop.signal is not None or stop.by_peer
     if writer and policy.last_step != step:
-        checkpoint(" (stop requested)" if stop.signal else " (final)")
+        checkpoint(" (stop requested)" if stopping else " (final)")
     if ctx.rank == 0:
-        log(f"{'stopped' if stop.signal else 'finished'} at step {step}")
-    if ctx.enabled and stop.signal is None:
+        log(f"{'stopped' if stopping else 'finished'} at step {step}")
+    if ctx.enabled:
         # Every rank past its last checkpoint before any rank exits. NCCL wants its communicators
         # destroyed before exit; destroying a gloo group made a finished rank abort at exit in 2 of
         # 15 runs ("terminate called without an active exception", torch 2.13; seen in CI), and
@@ -315,6 +336,11 @@ def train(args: argparse.Namespace) -> int:
         dist.barrier()
         if ctx.device.type == "cuda":
             dist.destroy_process_group()
+    if stop.by_peer:
+        # This node was not asked to stop: the job is not finished, it waits for the stopped
+        # node. A non-zero exit has torchrun (or systemd) start the rendezvous again.
+        log(f"rank {ctx.rank}: a peer stopped at step {step}; waiting for it to come back")
+        return STOPPED_BY_PEER
     return 0
 
 

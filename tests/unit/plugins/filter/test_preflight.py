@@ -321,7 +321,7 @@ def test_c10d_plan_runs_torchrun_with_the_rendezvous_on_the_master():
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node1:29500",
         "--rdzv-id=pretrain",
-        "--rdzv-conf=join_timeout=900",
+        "--rdzv-conf=join_timeout=900,is_host=0",
         "--max-restarts=3",
         "/srv/train.py",
         "--lr",
@@ -330,6 +330,48 @@ def test_c10d_plan_runs_torchrun_with_the_rendezvous_on_the_master():
     assert job["unit"] == "budgetgpu-job-pretrain.service"
     assert job["env"]["BUDGETGPU_CHECKPOINT_DIR"] == "/var/lib/budgetgpu/jobs/pretrain/checkpoints"
     assert job["env"]["BUDGETGPU_DIST_BACKEND"] == "nccl"
+
+
+def test_the_master_hosts_the_store_because_the_inventory_says_so():
+    # torch left alone decides by resolving its hostname: on a stock install (hostname on
+    # 127.0.1.1) no node would host the store. A master named by hostname hosts it all the same.
+    for master_addr in (None, "gpu-master.lan"):
+        plans = {h: torchrun_plan(jobs({"master_addr": master_addr}), h, GROUPS, make_nodes())[0] for h in GROUPS["gpu_nodes"]}
+        confs = {h: [a for a in p["argv"] if a.startswith("--rdzv-conf=")] for h, p in plans.items()}
+        assert confs == {"node1": ["--rdzv-conf=join_timeout=900,is_host=1"], "node2": ["--rdzv-conf=join_timeout=900,is_host=0"]}
+    assert "--rdzv-endpoint=gpu-master.lan:29500" in plans["node2"]["argv"]
+    (named,) = torchrun_plan(jobs({"master": "node2"}), "node2", GROUPS, make_nodes())
+    assert "--rdzv-conf=join_timeout=900,is_host=1" in named["argv"]
+
+
+def test_an_ipv6_rendezvous_endpoint_is_bracketed():
+    net = {"cluster_interface": {"name": "eth1", "address": "fd00::1", "prefixlen": 64}}
+    nodes = cluster_nodes({"node1": hostvars(facts={"budgetgpu_net": net}), "node2": hostvars()}, ["node1", "node2"])
+    (job,) = torchrun_plan(jobs({}), "node2", GROUPS, nodes, "/opt/budgetgpu/bin/budgetgpu-torchrun")
+    assert "--rdzv-endpoint=[fd00::1]:29500" in job["argv"]
+    assert job["argv"][2] == "--wait-for-master=[fd00::1]:29500"
+
+
+def test_every_node_but_the_master_waits_for_the_masters_store():
+    launcher = "/opt/budgetgpu/bin/budgetgpu-torchrun"
+    for rendezvous in ("c10d", "static"):
+        waits = {
+            h: [a for a in torchrun_plan(jobs({"rendezvous": rendezvous}), h, GROUPS, make_nodes(), launcher)[0]["argv"]
+                if a.startswith("--wait-for-master")]
+            for h in GROUPS["gpu_nodes"]
+        }  # fmt: skip
+        assert waits == {"node1": [], "node2": ["--wait-for-master=node1:29500"]}, rendezvous
+    # Without the launcher (torchrun itself) there is nobody to wait.
+    (plain,) = torchrun_plan(jobs({}), "node2", GROUPS, make_nodes())
+    assert not [a for a in plain["argv"] if a.startswith("--wait-for-master")]
+
+
+def test_workers_get_a_fresh_store_for_each_rendezvous_round():
+    # The shared agent store kept the peers' addresses of the round before an in-place restart.
+    c10d = torchrun_environment(jobs({})[0], "node1", make_nodes())
+    static = torchrun_environment(jobs({"rendezvous": "static"})[0], "node1", make_nodes())
+    assert c10d["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in static
 
 
 def test_static_plan_is_the_guides_command_line():
