@@ -74,11 +74,15 @@ def parse_proc_devices(text: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def parse_device_allow(entries: Iterable[str]) -> list[Rule]:
-    """Return the rules of DeviceAllow= values ("char-nvidia rw", "/dev/nvidia0", ...); "" is skipped."""
-    rules = []
+    """Return the rules of DeviceAllow= values ("char-nvidia rw", "/dev/nvidia0", ...) in order.
+
+    An empty value resets the list, as an empty DeviceAllow= does in a unit or drop-in.
+    """
+    rules: list[Rule] = []
     for entry in entries:
         words = str(entry).split()
         if not words:
+            rules = []
             continue
         spec, access = words[0], (words[1] if len(words) > 1 else "rwm")
         if spec.startswith("char-"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import device_allow
-from fake_host import output_of, run_playbook
+from fake_host import render_job_unit
 
 REPO = Path(__file__).resolve().parents[3]
 PROC_DEVICES = REPO / "tests" / "fixtures" / "proc-devices"
@@ -22,35 +22,9 @@ GENERATIONS = sorted(path.stem for path in PROC_DEVICES.glob("*.txt"))
 # CUDA opens these nodes; major 195 is fixed (NV_MAJOR_DEVICE_NUMBER), the others are dynamic.
 FIXED_NODES = {"/dev/nvidia0": (195, 0), "/dev/nvidia-modeset": (195, 254), "/dev/nvidiactl": (195, 255)}
 
-PLAYBOOK = """\
-- name: Render a job unit as the torchrun role does
-  hosts: all
-  gather_facts: false
-  tasks:
-    - name: Load the role's defaults and vars
-      ansible.builtin.include_vars:
-        file: "{{ item }}"
-      loop:
-        - "{{ test_repo }}/roles/torchrun/defaults/main.yml"
-        - "{{ test_repo }}/roles/torchrun/vars/main.yml"
-    - name: Render the unit
-      ansible.builtin.template:
-        src: "{{ test_repo }}/roles/torchrun/templates/budgetgpu-job.service.j2"
-        dest: "{{ test_out }}"
-        mode: "0644"
-      vars:
-        _torchrun_job: >-
-          {{ {'name': 'main', 'script': '/srv/train.py', 'nodes': 'all'} | budgetgpu.cluster.torchrun_job_normalize
-             | combine({'exec_start': '"/opt/budgetgpu/venv/bin/python3" "/opt/budgetgpu/bin/budgetgpu-torchrun"'}) }}
-"""
-
 
 def render_unit(tmp_path: Path, extra_vars: dict | None = None) -> str:
-    out = tmp_path / "budgetgpu-job-main.service"
-    variables = {"test_repo": str(REPO), "test_out": str(out), **(extra_vars or {})}
-    result = run_playbook(tmp_path, PLAYBOOK, variables)
-    assert result.returncode == 0, output_of(result)
-    return out.read_text()
+    return render_job_unit(tmp_path, extra_vars).read_text()
 
 
 def service_values(unit: str, key: str) -> list[str]:

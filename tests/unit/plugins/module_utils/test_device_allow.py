@@ -33,11 +33,14 @@ def test_parse_proc_devices_keeps_sections_names_with_slashes_and_shared_majors(
     assert device_allow.parse_proc_devices(odd) == {"char": [(1, "mem")], "block": []}
 
 
-def test_parse_device_allow_defaults_the_access_to_rwm():
-    assert device_allow.parse_device_allow(["char-nvidia rw", "/dev/nvidia0", "block-loop r", " "]) == [
+def test_parse_device_allow_defaults_the_access_to_rwm_and_an_empty_entry_resets():
+    assert device_allow.parse_device_allow(["char-nvidia rw", "/dev/nvidia0", "block-loop r"]) == [
         device_allow.Rule("char", "nvidia", "rw"),
         device_allow.Rule("path", "/dev/nvidia0", "rwm"),
         device_allow.Rule("block", "loop", "r"),
+    ]
+    assert device_allow.parse_device_allow(["char-nvidia rw", "", "char-nvidia-uvm"]) == [
+        device_allow.Rule("char", "nvidia-uvm", "rwm")
     ]
 
 
