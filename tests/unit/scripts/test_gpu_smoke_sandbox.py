@@ -94,8 +94,8 @@ def test_the_probe_runs_without_a_gpu_and_reports_why(smoke):
     done = subprocess.run([sys.executable, "-c", smoke.SANDBOX_PROBE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = smoke.parse_sandbox_output(done.stdout)
-    assert result["cuda"]["ok"] is False and result["cuda"]["error"]
     assert isinstance(result["nodes"], dict)
+    assert result["cuda"]["ok"] or result["cuda"]["error"]  # a machine with a GPU passes, any other says why
 
 
 def test_parse_sandbox_output_skips_torch_noise(smoke):
