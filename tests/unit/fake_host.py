@@ -46,3 +46,36 @@ def run_playbook(
 def output_of(result: subprocess.CompletedProcess[str]) -> str:
     """stdout and stderr with white space folded, for substring assertions."""
     return " ".join((result.stdout + result.stderr).split())
+
+
+JOB_UNIT_PLAYBOOK = """\
+- name: Render a job unit as the torchrun role does
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Load the role's defaults and vars
+      ansible.builtin.include_vars:
+        file: "{{ item }}"
+      loop:
+        - "{{ test_repo }}/roles/torchrun/defaults/main.yml"
+        - "{{ test_repo }}/roles/torchrun/vars/main.yml"
+    - name: Render the unit
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/torchrun/templates/budgetgpu-job.service.j2"
+        dest: "{{ test_out }}"
+        mode: "0644"
+      vars:
+        _torchrun_job: >-
+          {{ {'name': 'main', 'script': '/srv/train.py', 'nodes': 'all'} | budgetgpu.cluster.torchrun_job_normalize
+             | combine({'exec_start': '"/opt/budgetgpu/venv/bin/python3" "/opt/budgetgpu/bin/budgetgpu-torchrun"'}) }}
+"""
+
+
+def render_job_unit(tmp_path: Path, extra_vars: dict | None = None) -> Path:
+    """Render roles/torchrun's budgetgpu-job.service.j2 for a job "main" with the role's defaults and
+    vars (extra_vars override them); return the unit file."""
+    out = tmp_path / "budgetgpu-job-main.service"
+    variables = {"test_repo": str(REPO), "test_out": str(out), **(extra_vars or {})}
+    result = run_playbook(tmp_path, JOB_UNIT_PLAYBOOK, variables)
+    assert result.returncode == 0, output_of(result)
+    return out
