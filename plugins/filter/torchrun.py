@@ -334,6 +334,7 @@ def torchrun_plan(
         if host not in job_hosts(job, groups):
             continue
         item = dict(job)
+        item["node_count"] = len(job_hosts(job, groups))
         if job.get("state") != "absent":
             item["argv"] = torchrun_argv(job, host, groups, nodes, launcher)
             item["exec_start"] = systemd_exec(item["argv"])
