@@ -6,10 +6,12 @@ mode) and stops at the first failure: no node, no Docker, a second or two each.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
@@ -122,3 +124,22 @@ def test_no_driver_gets_the_cpu_build(tmp_path, variant):
     output = " ".join(result.stdout.split())
     assert result.returncode == 0, output + result.stderr
     assert "torch==2.13.0+cpu (no NVIDIA driver loaded" in output, output
+
+
+def test_numpy_in_the_extra_requirements(tmp_path):
+    assert_refused(
+        run_role(tmp_path, {"python_env_requirements": ["transformers", "NumPy==2.3.0"]}),
+        "node7: python_env_requirements names numpy (NumPy==2.3.0)",
+        "set python_env_numpy_version instead",
+    )
+
+
+def test_numpy_is_a_default_and_the_wheelhouse_gets_the_same_release():
+    # torch warns at import and all_gather_object fails without numpy; the offline install needs its wheel.
+    defaults = yaml.safe_load((REPO / "roles/python_env/defaults/main.yml").read_text())
+    spec = yaml.safe_load((REPO / "roles/python_env/meta/argument_specs.yml").read_text())
+    option = spec["argument_specs"]["main"]["options"]["python_env_numpy_version"]
+    assert defaults["python_env_numpy_version"] == option["default"] == "2.4.6"
+    fill = (REPO / "scripts/fill-wheelhouse").read_text()
+    assert re.search(r"^numpy_spec=\$\{BUDGETGPU_NUMPY_SPEC:-numpy==(\S+)\}$", fill, re.M)[1] == "2.4.6"
+    assert '"$numpy_spec"' in fill

@@ -1,0 +1,123 @@
+"""What root learns about the venv (roles/python_env/files/venv_state.py) without running its code.
+
+A .pth file in a venv's site-packages runs in every interpreter that venv starts, with its
+caller's rights: root must never start the venv's python where another user may have written it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from conftest import load_file_module
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = REPO / "roles" / "python_env" / "files" / "venv_state.py"
+state = load_file_module("venv_state", SCRIPT)
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another uid")
+
+PLANT = "import os; open({marker!r}, 'w').write(str(os.getuid()))\n"
+
+
+def make_venv(path: Path, *, marker: Path) -> Path:
+    """A venv without pip, a dist-info for demo==1.0, and a planted .pth file that writes `marker`."""
+    venv.create(path, with_pip=False, symlinks=True)
+    site = next(path.glob("lib/python3*/site-packages"))
+    (site / "demo-1.0.dist-info").mkdir()
+    (site / "demo-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
+    (site / "zz-planted.pth").write_text(PLANT.format(marker=str(marker)))
+    return site
+
+
+def run_script(venv_path: Path, *specs: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", SCRIPT.read_text(), str(venv_path), *specs],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out)
+
+
+def test_the_look_runs_nothing_the_venv_holds(tmp_path):
+    marker = tmp_path / "marker"
+    make_venv(tmp_path / "venv", marker=marker)
+    # The plant works: the venv's own interpreter runs it at start.
+    subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", "pass"], check=True)
+    assert marker.exists()
+    marker.unlink()
+    run_script(tmp_path / "venv", "demo==1.0")
+    assert not marker.exists()
+
+
+def test_no_venv_yet(tmp_path):
+    assert run_script(tmp_path / "venv", "demo==1.0", "torch") == {
+        "exists": False,
+        "unsafe_above": state.unsafe_above(str(tmp_path / "venv")),
+        "unsafe_inside": None,
+        "satisfied": [None, None],
+    }
+
+
+def test_pins_are_read_from_the_metadata_of_a_venv_root_alone_wrote(tmp_path):
+    site = make_venv(tmp_path / "venv", marker=tmp_path / "marker")
+    assert [state.satisfied(spec, [str(site)]) for spec in ("demo==1.0", "demo", "demo==2.0", "other", "demo>=1")] == [
+        "demo==1.0",
+        "demo",
+        None,
+        None,
+        None,
+    ]
+
+
+def test_a_world_writable_folder_above_the_venv_is_named(tmp_path):
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o1777)
+    make_venv(tmp_path / "open" / "venv", marker=tmp_path / "marker")
+    result = run_script(tmp_path / "open" / "venv", "demo==1.0")
+    assert result["unsafe_above"] == f"{tmp_path / 'open'} is writable by every user (mode 1777)"
+    assert result["satisfied"] == [None]  # nothing vouched for in a venv someone else may have written
+
+
+@as_root
+def test_a_file_of_the_training_user_inside_makes_the_venv_unsafe(tmp_path):
+    site = make_venv(tmp_path / "venv", marker=tmp_path / "marker")
+    assert state.unsafe_inside(str(tmp_path / "venv")) is None
+    os.chown(site / "zz-planted.pth", 1234, 1234)
+    assert state.unsafe_inside(str(tmp_path / "venv")) == f"{site / 'zz-planted.pth'} is owned by uid 1234"
+
+
+@as_root
+def test_a_group_writable_file_inside_makes_the_venv_unsafe(tmp_path):
+    site = make_venv(tmp_path / "venv", marker=tmp_path / "marker")
+    os.chown(site, 0, 1234)
+    site.chmod(0o775)
+    assert state.unsafe_inside(str(tmp_path / "venv")) == f"{site} is writable by group gid 1234 (mode 0775)"
+
+
+@as_root
+def test_a_link_to_a_venv_of_the_training_user_is_followed(tmp_path):
+    (tmp_path / "home").mkdir()
+    make_venv(tmp_path / "home" / "venv", marker=tmp_path / "marker")
+    os.chown(tmp_path / "home", 1234, 1234)
+    (tmp_path / "link").symlink_to(tmp_path / "home" / "venv")
+    assert state.unsafe_above(str(tmp_path / "link")) == f"{tmp_path / 'home'} is owned by uid 1234"
+
+
+@as_root
+def test_a_pth_line_naming_a_folder_of_the_training_user_makes_the_venv_unsafe(tmp_path):
+    site = make_venv(tmp_path / "venv", marker=tmp_path / "marker")
+    (tmp_path / "lib").mkdir()
+    (site / "sim.pth").write_text(f"# gpu_sim's drop-in\n{tmp_path / 'lib'}\n")
+    assert state.unsafe_inside(str(tmp_path / "venv")) is None
+    # The folders above it count too (pytest's tmp_path lies in /tmp).
+    assert state.unsafe_pth_path(str(tmp_path / "venv")).endswith(": /tmp is writable by every user (mode 1777)")
+    os.chown(tmp_path / "lib", 1234, 1234)
+    assert state.unsafe_pth_path(str(tmp_path / "venv")) == (
+        f"{site / 'sim.pth'} adds {tmp_path / 'lib'}: {tmp_path / 'lib'} is owned by uid 1234"
+    )
