@@ -39,8 +39,10 @@ venv: $(BIN)/ansible-playbook .collections/.linked ## Create .venv with Ansible,
 prerequisites: venv
 	@scripts/check-docker
 
-image: prerequisites ## Build (or reuse) the Debian systemd node image
-	@scripts/build-node-image >/dev/null
+# Debian 12 for every scenario and the demo, Debian 13 for provision_trixie; each cached by its inputs.
+NODE_SUITES ?= bookworm trixie
+image: prerequisites ## Build (or reuse) the Debian systemd node images
+	@for suite in $(NODE_SUITES); do scripts/build-node-image --suite $$suite >/dev/null || exit 1; done
 
 wheelhouse: venv ## Download torch (CPU) and friends once into .cache/wheelhouse
 	@scripts/fill-wheelhouse
