@@ -12,7 +12,8 @@ testinfra_hosts = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLEC
     "gpu_nodes"
 )
 
-DRIVER_PACKAGES = ("nvidia-driver", "nvidia-kernel-dkms", "nvidia-persistenced")
+# Headless: the kernel module, nvidia-smi and the CUDA and NVML libraries, no X driver.
+DRIVER_PACKAGES = ("nvidia-kernel-dkms", "nvidia-smi", "libcuda1", "libnvidia-ml1", "nvidia-persistenced")
 
 
 def test_the_node_is_debian_13_with_deb822_sources(host):
@@ -41,10 +42,12 @@ def test_apt_reads_every_source(host):
     assert "trixie/non-free amd64" in policy.stdout
 
 
-def test_driver_550_installed_pinned_and_held(host):
+def test_headless_driver_550_installed_pinned_and_held(host):
     for name in DRIVER_PACKAGES:
         assert host.package(name).is_installed, name
-    assert host.package("nvidia-driver").version.startswith("550.")
+        assert host.package(name).version.startswith("550."), name
+    assert not host.package("nvidia-driver").is_installed
+    assert not host.package("xserver-xorg-video-nvidia").is_installed
     assert not host.package("nvidia-open-kernel-dkms").is_installed
     assert host.package("python3-pynvml").is_installed
     pin = host.file("/etc/apt/preferences.d/budgetgpu-nvidia-driver").content_string
@@ -62,6 +65,14 @@ def test_nvidia_modprobe_of_its_own_release_is_no_driver_branch(host):
     assert facts["source"] == "debian" and facts["branch"] == 550
     assert facts["installed_version"].startswith("550.")
     assert facts["kernel_headers"] == "skipped: container"
+
+
+def test_nvml_says_driver_not_loaded(host):
+    # trixie's python3-pynvml against its libnvidia-ml1: the module is registered, not loaded.
+    probe = host.run(
+        "python3 -c 'import pynvml\ntry:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError as e:\n    print(e.value)'"
+    )
+    assert probe.stdout.strip() == "9", probe.stdout + probe.stderr  # NVML_ERROR_DRIVER_NOT_LOADED
 
 
 def test_docker_io_from_trixie_runs_with_live_restore(host):
