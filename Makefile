@@ -11,7 +11,7 @@ SCENARIO ?=
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv image wheelhouse prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
+.PHONY: help venv image image-trixie wheelhouse prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -39,8 +39,11 @@ venv: $(BIN)/ansible-playbook .collections/.linked ## Create .venv with Ansible,
 prerequisites: venv
 	@scripts/check-docker
 
-image: prerequisites ## Build (or reuse) the Debian systemd node image
+image: prerequisites ## Build (or reuse) the Debian 12 systemd node image
 	@scripts/build-node-image >/dev/null
+
+image-trixie: prerequisites ## Build (or reuse) the Debian 13 node image of molecule/provision_trixie
+	@scripts/build-node-image --suite trixie >/dev/null
 
 wheelhouse: venv ## Download torch (CPU) and friends once into .cache/wheelhouse
 	@scripts/fill-wheelhouse
@@ -69,7 +72,7 @@ unit: venv wheelhouse ## Unit tests (pytest): modules, module_utils, filters, te
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet --no-index --find-links .cache/wheelhouse torch==2.13.0
 	$(BIN)/pytest
 
-molecule: image wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
+molecule: image $(if $(filter provision_trixie,$(or $(SCENARIO),$(SCENARIOS))),image-trixie) wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
 	@scripts/run-molecule $(or $(SCENARIO),$(SCENARIOS))
 
 collection: venv ## Build the collection tarball
