@@ -262,7 +262,7 @@ def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit():
     state = {p: show("cluster-node2", p) for p in ("ActiveState", "SubState", "Result")}
     assert state["ActiveState"] != "failed", (state, new_lines(before)["cluster-node2"][-30:])
     assert int(show("cluster-node2", "NRestarts")) - restarts <= 1
-    waiting = [line for line in new_lines(before)["cluster-node2"] if "waiting for it" in line]
+    waiting = [line for line in new_lines(before)["cluster-node2"] if "does not answer: waiting for it" in line]
     assert waiting and "the master's rendezvous 10.231.1." in waiting[0], new_lines(before)["cluster-node2"][-20:]
     saved_before = max(max(checkpoints(node), default=0) for node in NODES)
     sh("cluster-node1", f"systemctl start {UNIT}")
