@@ -505,6 +505,114 @@ def nccl_missing_facts(members: list[str], hostvars: Any, fact: str = "budgetgpu
     return missing
 
 
+# The firewall file names each member and the addresses it may connect from, one comment line each:
+# the record that a later run reads back for a member whose facts it does not have.
+_MEMBER_LINE = re.compile(r"^#\s*member\s+(\S+):\s*(.*?)\s*$")
+
+
+def _facts_of(hostvars: Any, host: str) -> dict[str, Any]:
+    try:
+        return hostvars[host].get("ansible_facts") or {}
+    except KeyError:
+        return {}
+
+
+def nccl_absent_members(
+    members: list[str], hostvars: Any, play_hosts_all: list[str], play_hosts: list[str]
+) -> dict[str, str]:
+    """Return {host: why} for each member without budgetgpu_net facts in this run, in member order.
+
+    why is "not in this run" for a member the run leaves out (--limit, as ansible-pull runs with),
+    "down or failed earlier in this run" for one that is in the run but no longer in the play.
+    """
+    absent = {}
+    for host in nccl_missing_facts(members, hostvars):
+        if host not in (play_hosts_all or []):
+            absent[host] = "not in this run (--limit)"
+        elif host not in (play_hosts or []):
+            absent[host] = "down or failed earlier in this run"
+        else:
+            absent[host] = "not probed in this run"
+    return absent
+
+
+def nccl_recorded_members(text: str | None) -> dict[str, dict[str, list[str]]]:
+    """Return {host: {ipv4, ipv6}} from the "# member HOST: ADDR, ..." lines of a firewall file."""
+    records: dict[str, dict[str, list[str]]] = {}
+    for line in (text or "").splitlines():
+        match = _MEMBER_LINE.match(line.strip())
+        if not match:
+            continue
+        found = [ip for ip in (_ip(word.strip()) for word in match.group(2).split(",")) if ip is not None]
+        records[match.group(1)] = {
+            "ipv4": [str(a) for a in sorted(a for a in found if a.version == 4)],
+            "ipv6": [str(a) for a in sorted(a for a in found if a.version == 6)],
+        }
+    return records
+
+
+def nccl_member_records(
+    members: list[str], hostvars: Any, subnet: str | None = None, recorded: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Return {host: {ipv4, ipv6, source}}: the addresses each member may connect from.
+
+    source is "facts" (its budgetgpu_net facts and its NCCL decision in this run), "record" (no facts:
+    the addresses an earlier run wrote into the firewall file, `recorded`) or None (known nowhere).
+    """
+    records = {}
+    for host in members or []:
+        net = _facts_of(hostvars, host).get("budgetgpu_net")
+        if net:
+            try:
+                decision = hostvars[host].get("nccl_network_decision") or {}
+            except KeyError:
+                decision = {}
+            addresses = nccl_member_addresses(
+                [net], subnet, [decision.get("address")] if decision.get("address") else []
+            )
+            records[host] = {**addresses, "source": "facts"}
+        elif host in (recorded or {}):
+            kept = recorded[host]
+            records[host] = {
+                "ipv4": list(kept.get("ipv4") or []),
+                "ipv6": list(kept.get("ipv6") or []),
+                "source": "record",
+            }
+        else:
+            records[host] = {"ipv4": [], "ipv6": [], "source": None}
+    return records
+
+
+def nccl_record_addresses(records: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Return {ipv4, ipv6}: every address of nccl_member_records' answer, sorted, once each."""
+    found = {
+        ip for record in (records or {}).values() for key in ("ipv4", "ipv6") for ip in map(_ip, record.get(key) or [])
+    }
+    found.discard(None)
+    return {
+        "ipv4": [str(a) for a in sorted(a for a in found if a.version == 4)],
+        "ipv6": [str(a) for a in sorted(a for a in found if a.version == 6)],
+    }
+
+
+def nccl_absent_report(
+    absent: dict[str, str], records: dict[str, dict[str, Any]], firewall_file: str = ""
+) -> list[str]:
+    """Return one line per member without facts in this run: why, and what the firewall keeps for it."""
+    lines = []
+    for host, why in (absent or {}).items():
+        record = (records or {}).get(host) or {}
+        addresses = ", ".join(list(record.get("ipv4") or []) + list(record.get("ipv6") or []))
+        if not firewall_file:
+            kept = "the firewall is off here (nccl_network_firewall: false)"
+        elif addresses:
+            kept = f"the firewall keeps admitting it from {addresses}, the addresses {firewall_file} recorded"
+        else:
+            kept = f"no address of it is known (none recorded in {firewall_file})"
+        lines.append(f"{host}: {why}, no facts: {kept}; it is not checked in this run")
+    return lines
+
+
 def _endpoint(address: str, port: int) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
@@ -598,6 +706,11 @@ class FilterModule:
             "nccl_env_file": nccl_env_file,
             "nccl_member_addresses": nccl_member_addresses,
             "nccl_missing_facts": nccl_missing_facts,
+            "nccl_absent_members": nccl_absent_members,
+            "nccl_recorded_members": nccl_recorded_members,
+            "nccl_member_records": nccl_member_records,
+            "nccl_record_addresses": nccl_record_addresses,
+            "nccl_absent_report": nccl_absent_report,
             "nccl_ring": nccl_ring,
             "nccl_line_rates": nccl_line_rates,
             "nccl_iperf_results": nccl_iperf_results,

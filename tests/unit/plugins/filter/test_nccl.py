@@ -426,3 +426,58 @@ class TestCommTestHelpers:
         assert nccl.nccl_iperf_results(loop) == [
             {"src": "node1", "dst": "node2", "dst_addr": "10.0.0.3", "gbs": 1.175, "retransmits": 3}
         ]
+
+
+class TestMembersWithoutFacts:
+    """A member without facts in a run (down, its cache expired; or left out by ansible-pull's
+    --limit) keeps the addresses that an earlier run wrote into the firewall file."""
+
+    NODE1 = net(LOOPBACK, DOCKER0, iface("eno1", "physical", "192.168.10.2"))
+    FIREWALL = (
+        "#!/usr/sbin/nft -f\n"
+        "# member node1: 192.168.10.2\n"
+        "#   member node2: 192.168.10.3, fd00::3\n"
+        "# member node3:\n"
+        "table inet budgetgpu {\n"
+    )
+
+    def hostvars(self) -> dict[str, Any]:
+        return {
+            "node1": {
+                "ansible_facts": {"budgetgpu_net": self.NODE1},
+                "nccl_network_decision": {"address": "192.168.10.2"},
+            },
+            "node2": {"ansible_facts": {}},
+            "node3": {},
+        }
+
+    def test_absent_members_say_why(self) -> None:
+        absent = nccl.nccl_absent_members(["node1", "node2", "node3"], self.hostvars(), ["node1", "node2"], ["node1"])
+        assert absent == {"node2": "down or failed earlier in this run", "node3": "not in this run (--limit)"}
+
+    def test_recorded_members_read_the_firewall_files_member_lines(self) -> None:
+        assert nccl.nccl_recorded_members(self.FIREWALL) == {
+            "node1": {"ipv4": ["192.168.10.2"], "ipv6": []},
+            "node2": {"ipv4": ["192.168.10.3"], "ipv6": ["fd00::3"]},
+            "node3": {"ipv4": [], "ipv6": []},
+        }
+        assert nccl.nccl_recorded_members(None) == {}
+
+    def test_facts_win_the_record_fills_in_and_an_unknown_member_has_no_source(self) -> None:
+        recorded = {"node1": {"ipv4": ["192.168.10.99"], "ipv6": []}, "node2": {"ipv4": ["192.168.10.3"], "ipv6": []}}
+        records = nccl.nccl_member_records(["node1", "node2", "node3"], self.hostvars(), SUBNET, recorded)
+        assert records == {
+            "node1": {"ipv4": ["192.168.10.2"], "ipv6": [], "source": "facts"},
+            "node2": {"ipv4": ["192.168.10.3"], "ipv6": [], "source": "record"},
+            "node3": {"ipv4": [], "ipv6": [], "source": None},
+        }
+        assert nccl.nccl_record_addresses(records) == {"ipv4": ["192.168.10.2", "192.168.10.3"], "ipv6": []}
+
+    def test_records_of_probed_members_equal_the_cluster_wide_addresses(self) -> None:
+        node2 = net(iface("eno1", "physical", "192.168.10.3", "fd00::3"))
+        hostvars = {
+            "node1": {"ansible_facts": {"budgetgpu_net": self.NODE1}},
+            "node2": {"ansible_facts": {"budgetgpu_net": node2}},
+        }
+        records = nccl.nccl_member_records(["node1", "node2"], hostvars, SUBNET)
+        assert nccl.nccl_record_addresses(records) == nccl.nccl_member_addresses([self.NODE1, node2], SUBNET)

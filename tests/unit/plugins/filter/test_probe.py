@@ -1,0 +1,46 @@
+"""Unit tests for the probe filter that tells safe mode which job units count as running."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.filter import probe
+
+# `systemctl list-units --all --no-legend --plain 'budgetgpu-job*'` on systemd 252 (Debian 12).
+LISTING = [
+    "budgetgpu-job-pretrain.service loaded active running budgetgpu-job-pretrain.service",
+    "budgetgpu-job-flaky.service loaded activating auto-restart budgetgpu-job-flaky.service",
+    "budgetgpu-job-done.service loaded inactive dead budgetgpu-job-done.service",
+    "● budgetgpu-job-broken.service loaded failed failed budgetgpu-job-broken.service",
+    "budgetgpu-job-gone.service not-found inactive dead budgetgpu-job-gone.service",
+]
+
+
+def test_a_unit_between_restarts_counts_as_running() -> None:
+    assert probe.probe_running_jobs(LISTING) == ["budgetgpu-job-pretrain.service", "budgetgpu-job-flaky.service"]
+
+
+@pytest.mark.parametrize(
+    ("active", "sub"),
+    [
+        ("active", "running"),
+        ("reloading", "reload"),
+        ("activating", "start"),
+        ("activating", "auto-restart"),
+        ("activating", "auto-restart-queued"),
+        ("deactivating", "stop-sigterm"),
+    ],
+)
+def test_states_that_count_as_a_running_job(active: str, sub: str) -> None:
+    assert probe.probe_running_jobs([f"budgetgpu-job-a.service loaded {active} {sub} a job"]) == [
+        "budgetgpu-job-a.service"
+    ]
+
+
+@pytest.mark.parametrize(("active", "sub"), [("inactive", "dead"), ("failed", "failed"), ("maintenance", "x")])
+def test_states_that_do_not(active: str, sub: str) -> None:
+    assert probe.probe_running_jobs([f"budgetgpu-job-a.service loaded {active} {sub} a job"]) == []
+
+
+def test_nothing_listed_is_no_job() -> None:
+    assert probe.probe_running_jobs([]) == []
+    assert probe.probe_running_jobs(None) == []
