@@ -1,0 +1,39 @@
+"""The firewall guards the port each job really listens on: the units' port comes from the job list
+with torchrun_job_defaults applied, and so must the firewall's (a job default of 29600 once left the
+c10d store open while the table guarded 29500)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fake_host import REPO, run_playbook
+
+PLAYBOOK = """\
+- name: Read the ports the firewall protects
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Load nccl_network's defaults
+      ansible.builtin.include_vars:
+        file: "{{ test_repo }}/roles/nccl_network/defaults/main.yml"
+    - name: Show them
+      ansible.builtin.debug:
+        msg: "PORTS={{ nccl_network_rendezvous_ports | to_json }}"
+"""
+
+
+def ports(tmp_path: Path, **variables) -> list[int]:
+    result = run_playbook(tmp_path, PLAYBOOK, {"test_repo": str(REPO), **variables})
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if "PORTS=" in line)
+    return json.loads(line.split("PORTS=", 1)[1].rstrip('"').replace('\\"', '"'))
+
+
+def test_a_job_default_port_is_the_port_the_firewall_guards(tmp_path: Path) -> None:
+    jobs = [{"name": "a", "script": "/x.py"}, {"name": "b", "script": "/y.py", "port": "29700"}]
+    assert ports(tmp_path, torchrun_jobs=jobs, torchrun_job_defaults={"port": 29600}) == [29600, 29700, 29500]
+
+
+def test_without_jobs_torchs_default_port_is_guarded(tmp_path: Path) -> None:
+    assert ports(tmp_path) == [29500]
