@@ -24,10 +24,11 @@ job='{"torchrun_jobs": [{"name": "demo", "script": "/opt/budgetgpu/examples/trai
   "nproc_per_node": 2, "checkpoint_every_steps": 50, "checkpoint_every_minutes": 0}]}'
 ansible-playbook -i inventory/demo playbooks/train.yml -e "$job" -e job_state=restarted >/dev/null
 restarts() { for n in "$node1" "$node2"; do docker exec "$n" systemctl show -p NRestarts --value "$unit"; done | paste -sd,; }
-# Seconds since the epoch of the first journal line on node1 since $1 that matches $2.
+# Seconds since the epoch of the first journal line on node1 since $1 that matches $2 (awk reads
+# to the end: an early exit would end journalctl with SIGPIPE, and pipefail the script).
 first_line_at() {
   docker exec "$node1" journalctl -q -u "$unit" -o short-unix --since "@$1" --no-pager \
-    | awk -v re="$2" '$0 ~ re {print $1; exit}'
+    | awk -v re="$2" '!found && $0 ~ re {print $1; found=1}'
 }
 
 for i in $(seq "$kills"); do
@@ -45,7 +46,7 @@ for i in $(seq "$kills"); do
     resumed_at=$(first_line_at "${killed_at%.*}" 'resumed from step')
     [ -n "$resumed_at" ] || continue
     stepped_at=$(docker exec "$node1" journalctl -q -u "$unit" -o short-unix --since "@${resumed_at%.*}" --no-pager \
-      | awk '/resumed from step/ {seen=1; next} seen && /step=/ {print $1; exit}')
+      | awk '/resumed from step/ {seen=1; next} seen && !found && /step=/ {print $1; found=1}')
     [ -n "$stepped_at" ] && break
   done
   after=$(restarts)
