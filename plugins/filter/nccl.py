@@ -69,14 +69,16 @@ def _kind_note(iface: dict[str, Any]) -> str:
 def _match_request(interfaces: list[dict[str, Any]], request: str) -> list[dict[str, Any]]:
     """Return the interfaces an NCCL_SOCKET_IFNAME-style value selects (=exact, ^exclude, prefixes)."""
     request = request.strip()
-    if request.startswith("="):
-        names = set(request[1:].split(","))
-        return [i for i in interfaces if i["name"] in names]
-    if request.startswith("^"):
-        prefixes = tuple(request[1:].split(","))
-        return [i for i in interfaces if not i["name"].startswith(prefixes)]
-    prefixes = tuple(request.split(","))
-    return [i for i in interfaces if i["name"].startswith(prefixes)]
+    # NCCL reads "^" (exclude) first, then "=" (exact names): "^=eth0" leaves out eth0 alone.
+    exclude = request.startswith("^")
+    request = request[1:] if exclude else request
+    exact = request.startswith("=")
+    words = tuple(request[1:].split(",") if exact else request.split(","))
+
+    def named(iface: dict[str, Any]) -> bool:
+        return iface["name"] in words if exact else iface["name"].startswith(words)
+
+    return [i for i in interfaces if named(i) != exclude]
 
 
 def _no_interface(error: str) -> dict[str, Any]:

@@ -188,6 +188,12 @@ class TestOverrides:
     def test_exact_form_override_resolves_the_same(self) -> None:
         assert nccl.nccl_env(self.FACTS, interface="=eth1")["interface"] == "eth1"
 
+    def test_exact_exclusion_leaves_out_that_interface_alone(self) -> None:
+        # NCCL's "^=eth0": not eth0, exactly. Read as the prefix "=eth0" it excluded nothing.
+        facts = net(iface("eth0", "veth", "192.168.10.3"), iface("eth01", "veth", "172.30.0.3"))
+        assert nccl.nccl_env(facts, interface="^=eth0")["interface"] == "eth01"
+        assert nccl.nccl_env(facts, interface="^eth0")["errors"]  # the prefix form leaves out both
+
     def test_env_override_of_ifname_moves_the_address_too(self) -> None:
         decision = nccl.nccl_env(self.FACTS, overrides={"NCCL_SOCKET_IFNAME": "=eth1"})
         assert decision["address"] == "172.30.0.3"
