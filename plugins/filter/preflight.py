@@ -40,6 +40,7 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import (
     job_node_ranks,
     job_nproc,
 )
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import normalize_bus_id
 
 DEFAULT_OPTIONS: dict[str, Any] = {
     "min_cpus_per_process": 2,
@@ -417,7 +418,7 @@ def _check_pcie(host: str, node: Mapping[str, Any]) -> tuple[list[dict[str, Any]
     """Problems where a GPU misses the inventory's expectation; warnings where a link trained low."""
     pcie = node.get("pcie") or {}
     min_width = _int_or_none(node.get("pcie_min_width"))
-    expected = {str(k).lower(): v for k, v in (node.get("pcie_expected") or {}).items()}
+    expected = {normalize_bus_id(str(k)): v for k, v in (node.get("pcie_expected") or {}).items()}
     problems: list[dict[str, Any]] = []
     warnings: list[dict[str, Any]] = []
     gpus = {g.get("bus_id"): g for g in pcie.get("gpus") or []}

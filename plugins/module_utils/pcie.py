@@ -349,12 +349,18 @@ def check_expectations(
 
 
 def normalize_bus_id(bus_id: str) -> str:
-    """Return a bus id in sysfs form ("0000:01:00.0") from NVML's "00000000:01:00.0" or a short "01:00.0"."""
+    """Return a bus id in sysfs form ("0000:01:00.0") from NVML's "00000000:01:00.0" or a short "01:00.0"
+    (the one rule for bus ids: the pcie_facts module and preflight both use it)."""
     text = bus_id.strip().lower()
     parts = text.split(":")
     if len(parts) == 2:
         parts.insert(0, "0000")
     if len(parts) != 3:
         return text
-    domain = parts[0][-4:].rjust(4, "0")
+    try:
+        # At least 4 hex digits as sysfs writes them; more where the domain needs them (Intel
+        # VMD puts its devices in domains from 0x10000 on: "10000:e1:00.0"), never cut.
+        domain = format(int(parts[0], 16), "04x")
+    except ValueError:
+        return text
     return f"{domain}:{parts[1]}:{parts[2]}"

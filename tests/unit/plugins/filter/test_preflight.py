@@ -241,6 +241,13 @@ def test_pcie_links_below_the_expected_width_fail():
     }
 
 
+@pytest.mark.parametrize("bus_id", ["01:00.0", "00000000:01:00.0", "0000:01:00.0", "0000:01:00.0 "])
+def test_pcie_expectations_take_every_bus_id_form_the_module_takes(bus_id):
+    # The short and NVML forms were "not on the PCI bus" in preflight while pcie_facts took them.
+    nodes = make_nodes(node2={"probe_pcie_expected": {bus_id: {"gen": 4}}})
+    assert fields(check(jobs({}), nodes)) == {("node2", "pcie 0000:01:00.0 gen")}
+
+
 def test_a_node_that_is_down_fails_preflight_but_only_warns_in_safe_mode():
     nodes = make_nodes(node2={"facts": {}})
     nodes["node2"]["probed"] = False

@@ -38,6 +38,9 @@ def test_normalize_bus_id_accepts_nvml_and_short_forms():
     assert pcie.normalize_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
     assert pcie.normalize_bus_id("3b:00.0") == "0000:3b:00.0"
     assert pcie.normalize_bus_id("0000:01:00.0") == "0000:01:00.0"
+    # Intel VMD's domains start at 0x10000: kept whole, in NVML's 8-digit form too.
+    assert pcie.normalize_bus_id("10000:e1:00.0") == "10000:e1:00.0"
+    assert pcie.normalize_bus_id("00010000:E1:00.0") == "10000:e1:00.0"
 
 
 def test_captured_h200_tree(h200_sysfs):
