@@ -137,6 +137,12 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         gpu_count, models = int(pcie.get("count") or 0), [g.get("name") for g in pcie.get("gpus") or []]
     else:
         gpu_count, models = None, []
+    pcie_gpus = (pcie or {}).get("gpus") or []
+    if pcie_gpus and all(g.get("device_id") for g in pcie_gpus):
+        # A model is what its PCI device id says, read from sysfs with or without a driver: NVML's
+        # "NVIDIA GeForce RTX 3090" on a provisioned node and the sysfs table's "GeForce RTX 3090"
+        # on a fresh one are the same card.
+        models = [f"{g.get('name')} ({g['device_id']})" for g in pcie_gpus]
     cluster_if = net.get("cluster_interface") if isinstance(net, Mapping) else None
     return {
         "host": host,

@@ -198,6 +198,30 @@ def test_mixed_gpu_models_fail_unless_allowed():
     assert check(jobs({"allow_mixed_gpus": True}), nodes)["problems"] == []
 
 
+def test_gpu_models_are_compared_by_pci_device_id_not_by_name():
+    # A provisioned node names its cards through NVML, a fresh one (no driver yet) from the sysfs
+    # table: one model all the same, so a node can join a running cluster through site.yml.
+    def pcie(device_id: str, name: str) -> dict[str, Any]:
+        fact = pcie_fact(model=name)
+        for gpu in fact["gpus"]:
+            gpu["device_id"] = device_id
+        return fact
+
+    fresh = {"budgetgpu_gpus": {"driver": {"state": "not_installed"}, "count": 0, "gpus": []}}
+    nodes = make_nodes(
+        node1={"facts": {"budgetgpu_pcie": pcie("0x2204", "GeForce RTX 3090")}},
+        node2={"facts": {**fresh, "budgetgpu_pcie": pcie("0x2204", "GeForce RTX 3090")}},
+    )
+    assert ("node2", "gpu model") not in fields(check(jobs({}), nodes))
+    nodes["node2"] = make_nodes(node2={"facts": {**fresh, "budgetgpu_pcie": pcie("0x2684", "GeForce RTX 4090")}})[
+        "node2"
+    ]
+    result = check(jobs({}), nodes)
+    assert ("node2", "gpu model") in fields(result)
+    problem = next(p for p in result["problems"] if p["field"] == "gpu model")
+    assert problem["found"] == "GeForce RTX 4090 (0x2684)" and "GeForce RTX 3090 (0x2204)" in problem["expected"]
+
+
 def test_mixed_gpus_within_one_node_fail():
     mixed = gpus_fact()
     mixed["gpus"][1]["name"] = "NVIDIA GeForce RTX 4090"
