@@ -16,9 +16,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_playbook(
-    tmp_path: Path, playbook: str, extra_vars: dict, *, host: str = "node7", options: tuple[str, ...] = ()
+    tmp_path: Path,
+    playbook: str,
+    extra_vars: dict,
+    *,
+    host: str = "node7",
+    options: tuple[str, ...] = (),
+    inventory: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """ansible-playbook PLAYBOOK on `host` with extra_vars; options such as --check, --tags X."""
+    """ansible-playbook PLAYBOOK on `host` (or on an inventory file's local hosts) with extra_vars;
+    options such as --check, --tags X, --limit X."""
     path = tmp_path / "play.yml"
     path.write_text(playbook)
     variables = {"ansible_python_interpreter": sys.executable, **extra_vars}
@@ -33,7 +40,8 @@ def run_playbook(
     return subprocess.run(
         [
             str(Path(sys.executable).with_name("ansible-playbook")),
-            *("-i", f"{host},", "-c", "local", *options, "-e", json.dumps(variables), str(path)),
+            *(("-i", str(inventory)) if inventory else ("-i", f"{host},", "-c", "local")),
+            *(*options, "-e", json.dumps(variables), str(path)),
         ],
         capture_output=True,
         text=True,

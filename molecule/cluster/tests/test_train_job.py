@@ -86,6 +86,31 @@ def new_lines(before: dict[str, int]) -> dict[str, list[str]]:
     return {node: journal(node)[before[node] :] for node in NODES}
 
 
+def cut_at_resume(lines: dict[str, list[str]]) -> dict[str, int]:
+    """Each node's index of its first "resumed from" line (the end when there is none)."""
+    return {node: next(i for i, line in enumerate(lines[node] + [""]) if RESUMED.match(line) or not line)
+            for node in NODES}  # fmt: skip
+
+
+def steps_after_resume(before: dict[str, int]) -> list[int]:
+    """The steps logged after the resume, in the journal lines since `before`."""
+    lines = new_lines(before)
+    cut = cut_at_resume(lines)
+    return [s[0] for node in NODES for s in steps(lines[node][cut[node] :])]
+
+
+def wait_for_resume(before: dict[str, int], what: str) -> int:
+    """Wait until the job resumed and trained on after it, in the journal since `before`; return the
+    lowest step it resumed from."""
+    resumed = wait_for(
+        f"the job to resume {what}",
+        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
+        timeout=240,
+    )
+    wait_for(f"steps after the resume {what}", lambda: steps_after_resume(before), timeout=240)
+    return min(resumed)
+
+
 def playbook(*args: str) -> str:
     """Run playbooks/train.yml against the scenario's nodes, as a user would."""
     ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
@@ -185,23 +210,7 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     victim = sh("cluster-node2", f"ps -o pid=,args= --ppid {pid} | grep train_ddp.py | head -n1")
     sh("cluster-node2", f"kill -9 {victim.split()[0]}")
     started = time.monotonic()
-    resumed = wait_for(
-        "the job to resume after the kill",
-        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
-        timeout=240,
-    )
-    step_at = min(resumed)
-
-    def cut_at_resume(lines: dict[str, list[str]]) -> dict[str, int]:
-        return {node: next(i for i, line in enumerate(lines[node] + [""]) if RESUMED.match(line) or not line)
-                for node in NODES}  # fmt: skip
-
-    def steps_after_resume() -> list[int]:
-        lines = new_lines(before)
-        cut = cut_at_resume(lines)
-        return [s[0] for node in NODES for s in steps(lines[node][cut[node] :])]
-
-    wait_for("steps after the resume", steps_after_resume, timeout=120)
+    step_at = wait_for_resume(before, "after the kill")
     lines = new_lines(before)
     cut = cut_at_resume(lines)
     done_before = max(
@@ -238,13 +247,7 @@ def test_a_stopped_and_started_node_rejoins_and_resumes():
     done_before = latest_step()
     time.sleep(3)
     sh("cluster-node2", f"systemctl start {UNIT}")
-    resumed = wait_for(
-        "the job to resume after the node came back",
-        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
-        timeout=240,
-    )
-    step_at = max(resumed)
-    wait_for("steps after the node came back", lambda: latest_step() > step_at + LOG_EVERY, timeout=240)
+    step_at = wait_for_resume(before, "after the node came back")
     print(f"node stop: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at}")
     assert step_at >= saved_before > 0
     assert done_before - step_at <= CKPT_EVERY + LOG_EVERY
@@ -266,13 +269,7 @@ def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit():
     assert waiting and "the master's rendezvous 10.231.1." in waiting[0], new_lines(before)["cluster-node2"][-20:]
     saved_before = max(max(checkpoints(node), default=0) for node in NODES)
     sh("cluster-node1", f"systemctl start {UNIT}")
-    resumed = wait_for(
-        "the job to resume on both nodes after the master came back",
-        lambda: [r for lines in new_lines(before).values() for r in resumes(lines)],
-        timeout=240,
-    )
-    step_at = max(resumed)
-    wait_for("steps on 4 ranks after the outage", lambda: latest_step() > step_at + LOG_EVERY, timeout=240)
+    step_at = wait_for_resume(before, "after the master came back")
     assert step_at >= saved_before > 0
     assert all(world == 4 for _, _, world, _ in steps(new_lines(before)["cluster-node1"]))
 

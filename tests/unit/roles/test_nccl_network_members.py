@@ -10,14 +10,12 @@ mode when no address of the member is known anywhere, the run is refused, naming
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fake_host import output_of, run_playbook
 
-REPO = Path(__file__).resolve().parents[3]
 SUBNET = "10.9.0.0/24"
 PLAYBOOK = """
 - name: Stand in for the probe; node2 is down
@@ -91,7 +89,6 @@ def run(tmp_path: Path, *, safe_mode: bool, firewall: str | None, limit: str | N
     firewall_file = tmp_path / "budgetgpu.nft"
     if firewall is not None:
         firewall_file.write_text(firewall)
-    (tmp_path / "play.yml").write_text(PLAYBOOK)
     result_file = tmp_path / "result.json"
     variables = {
         "budgetgpu_cluster_subnet": SUBNET,
@@ -100,26 +97,9 @@ def run(tmp_path: Path, *, safe_mode: bool, firewall: str | None, limit: str | N
     }
     if safe_mode:
         variables["budgetgpu_safe_mode"] = True
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_COLLECTIONS_PATH": str(REPO / ".collections"),
-        "ANSIBLE_CACHE_PLUGIN": "memory",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-    }
-    command = [
-        str(Path(sys.executable).with_name("ansible-playbook")),
-        "-i",
-        str(inventory),
-        "-e",
-        json.dumps(variables),
-    ]
-    command += ["--limit", limit] if limit else []
-    done = subprocess.run(
-        [*command, str(tmp_path / "play.yml")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
-    )
-    output = " ".join((done.stdout + done.stderr).split())
+    options = ("--limit", limit) if limit else ()
+    done = run_playbook(tmp_path, PLAYBOOK, variables, inventory=inventory, options=options)
+    output = output_of(done)
     result = json.loads(result_file.read_text()) if result_file.exists() else None
     return done.returncode, output, result
 
