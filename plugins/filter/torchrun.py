@@ -20,6 +20,7 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -327,18 +328,57 @@ def systemd_exec(argv: list[str]) -> str:
     return " ".join(systemd_quote(a).replace("$", "$$").replace("%", "%%") for a in argv)
 
 
+def torchrun_masters_unknown(
+    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Return this host's jobs whose master has no cluster address in this run (no facts: an
+    ansible-pull run knows only its own node) and that name no master_addr."""
+    return [
+        dict(job)
+        for job in jobs
+        if host in job_hosts(job, groups)
+        and job.get("state") != "absent"
+        and not job.get("master_addr")
+        and not (nodes.get(job_master(job, groups)) or {}).get("cluster_address")
+    ]
+
+
+_RECORDED_ENDPOINT = re.compile(r'"--rdzv-endpoint=(\[[^\]"]+\]|[^":]+):\d+"|"--master-addr=([^"]+)"')
+
+
+def torchrun_recorded_masters(slurped: list[Mapping[str, Any]]) -> dict[str, str]:
+    """Return {job name: master address} read from the ExecStart= of units written before (slurp
+    results, item = the job): the address an earlier run with the master's facts decided."""
+    recorded = {}
+    for result in slurped or []:
+        job, content = result.get("item") or {}, result.get("content")
+        if not content or not job.get("name"):
+            continue
+        match = _RECORDED_ENDPOINT.search(base64.b64decode(content).decode("utf-8", "replace"))
+        if match:
+            recorded[str(job["name"])] = (match[1] or match[2]).strip("[]")
+    return recorded
+
+
 def torchrun_plan(
     jobs: list[Mapping[str, Any]],
     host: str,
     groups: Mapping[str, list[str]],
     nodes: Mapping[str, Any],
     launcher: str | None = None,
+    recorded_masters: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Return the normalised jobs that run on host, each with its exec line and env for this host."""
+    """Return the normalised jobs that run on host, each with its exec line and env for this host.
+
+    recorded_masters ({job: address}, torchrun_recorded_masters) stands in for the master's cluster
+    address when this run has no facts of the master, so that the unit keeps the address it has.
+    """
     plan = []
     for job in jobs:
         if host not in job_hosts(job, groups):
             continue
+        if job.get("name") in (recorded_masters or {}) and torchrun_masters_unknown([job], host, groups, nodes):
+            job = {**job, "master_addr": recorded_masters[job["name"]]}
         item = dict(job)
         item["node_count"] = len(job_hosts(job, groups))
         if job.get("state") != "absent":
@@ -368,6 +408,8 @@ class FilterModule:
             "torchrun_job_normalize": torchrun_job_normalize,
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,
+            "torchrun_masters_unknown": torchrun_masters_unknown,
+            "torchrun_recorded_masters": torchrun_recorded_masters,
             "torchrun_unit_name": unit_name,
             "cluster_nodes": cluster_nodes,
             "systemd_quote": systemd_quote,

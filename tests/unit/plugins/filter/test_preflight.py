@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from typing import Any
 
@@ -16,7 +17,9 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import (
     systemd_show,
     torchrun_environment,
     torchrun_jobs_normalize,
+    torchrun_masters_unknown,
     torchrun_plan,
+    torchrun_recorded_masters,
 )
 
 GROUPS = {"all": ["node1", "node2"], "gpu_nodes": ["node1", "node2"], "other": ["node3"], "ungrouped": []}
@@ -408,6 +411,47 @@ def test_workers_get_a_fresh_store_for_each_rendezvous_round():
     static = torchrun_environment(jobs({"rendezvous": "static"})[0], "node1", make_nodes())
     assert c10d["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in static
+
+
+def test_a_pull_run_without_the_masters_facts_keeps_the_address_the_unit_has():
+    # ansible-pull on node2 knows only node2: the master's cluster address is nowhere in this run.
+    launcher = "/opt/budgetgpu/bin/budgetgpu-torchrun"
+    net = {"cluster_interface": {"name": "eth0", "address": "10.231.2.3", "prefixlen": 24}}
+    alone = cluster_nodes({"node2": hostvars(facts={"budgetgpu_net": net})}, ["node1", "node2"])
+    assert [j["name"] for j in torchrun_masters_unknown(jobs({}), "node2", GROUPS, alone)] == ["pretrain"]
+    assert torchrun_masters_unknown(jobs({"master_addr": "10.0.0.9"}), "node2", GROUPS, alone) == []
+    with_master = cluster_nodes(
+        {"node1": hostvars(facts={"budgetgpu_net": net}), "node2": hostvars()}, ["node1", "node2"]
+    )
+    assert torchrun_masters_unknown(jobs({}), "node2", GROUPS, with_master) == []
+
+    master_net = {"cluster_interface": {"name": "eth0", "address": "10.231.2.2", "prefixlen": 24}}
+    both = cluster_nodes(
+        {"node1": hostvars(facts={"budgetgpu_net": master_net}), "node2": hostvars(facts={"budgetgpu_net": net})},
+        ["node1", "node2"],
+    )
+    (before,) = torchrun_plan(jobs({}), "node2", GROUPS, both, launcher)
+    unit = "ExecStart=" + systemd_exec(before["argv"])
+    recorded = torchrun_recorded_masters(
+        [{"item": {"name": "pretrain"}, "content": base64.b64encode(unit.encode()).decode()}, {"item": {"name": "x"}}]
+    )
+    assert recorded == {"pretrain": "10.231.2.2"}
+    (job,) = torchrun_plan(jobs({}), "node2", GROUPS, alone, launcher, recorded)
+    assert job["argv"] == before["argv"]  # the same unit: no restart pending, no host name
+    (guess,) = torchrun_plan(jobs({}), "node2", GROUPS, alone, launcher)
+    assert "--rdzv-endpoint=node1:29500" in guess["argv"]  # what it wrote before
+
+
+def test_recorded_masters_read_every_endpoint_form():
+    def slurp(name: str, line: str) -> dict[str, Any]:
+        return {"item": {"name": name}, "content": base64.b64encode(line.encode()).decode()}
+
+    units = [
+        slurp("v6", 'ExecStart="/x" "--rdzv-endpoint=[fd00::2]:29500" "--rdzv-id=v6"'),
+        slurp("static", 'ExecStart="/x" "--nnodes=2" "--master-addr=192.168.1.10" "--master-port=29500"'),
+        slurp("none", 'ExecStart="/x" "--standalone"'),
+    ]
+    assert torchrun_recorded_masters(units) == {"v6": "fd00::2", "static": "192.168.1.10"}
 
 
 def test_static_plan_is_the_guides_command_line():
