@@ -507,6 +507,20 @@ def cluster_check(
                     "a crash then loses the whole run",
                 )
             )
+        if job.get("rendezvous") == "static" and isinstance(job.get("max_restarts"), int) and job["max_restarts"] > 0:
+            # torch's static rendezvous hands the workers of every restart round the same store,
+            # and restarted workers read their peers' old addresses (gloo: Connection refused).
+            warnings.append(
+                _problem(
+                    _where(job_hosts(job, groups)),
+                    job.get("name"),
+                    "max_restarts",
+                    f"{job['max_restarts']} with rendezvous static",
+                    "0 with rendezvous static",
+                    "torch's static rendezvous keeps one store across in-place restarts, which then fail; "
+                    "with 0 systemd restarts the units fresh, or use rendezvous c10d (in-place restarts work)",
+                )
+            )
     problems += _check_ports(jobs, groups)
     for host in sorted(nodes):
         pcie_problems, pcie_warnings = _check_pcie(host, nodes[host])

@@ -454,6 +454,14 @@ def test_recorded_masters_read_every_endpoint_form():
     assert torchrun_recorded_masters(units) == {"v6": "fd00::2", "static": "192.168.1.10"}
 
 
+def test_in_place_restarts_with_the_static_rendezvous_are_a_warning():
+    warned = check(jobs({"rendezvous": "static"}))
+    assert [(w["host"], w["field"]) for w in warned["warnings"]] == [("node1,node2", "max_restarts")]
+    assert warned["problems"] == []
+    assert check(jobs({"rendezvous": "static", "max_restarts": 0}))["warnings"] == []
+    assert check(jobs({}))["warnings"] == []  # c10d restarts in place
+
+
 def test_static_plan_is_the_guides_command_line():
     hv = {h: hostvars(ansible_host=f"192.168.1.1{i}") for i, h in enumerate(["node1", "node2"])}
     nodes = cluster_nodes(hv, ["node1", "node2"])
