@@ -11,6 +11,8 @@ import json
 import re
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+
 # Interfaces NCCL may carry traffic on, best first. A veth holds the address of a container node;
 # a bridge is used only when the cluster address lives on nothing else (a NIC enslaved to br0).
 _USABLE_KINDS = ("physical", "bond", "vlan", "infiniband", "virtual", "veth", "bridge")
@@ -615,10 +617,6 @@ def nccl_absent_report(
     return lines
 
 
-def _endpoint(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 def nccl_reachability_plan(
     members: list[str], hostvars: Any, me: str, master: str, rendezvous_ports: list[int], probe_port: int
 ) -> dict[str, Any]:
@@ -641,16 +639,16 @@ def nccl_reachability_plan(
     listen, connect = [], []
     own = decisions.get(me)
     if own:
-        listen.append(f"{_endpoint(own['address'], probe_port)}:{len(members) - 1}")
+        listen.append(f"{endpoint(own['address'], probe_port)}:{len(members) - 1}")
     master_decision = decisions.get(master)
     if master_decision:
         for port in rendezvous_ports:
             if me == master:
-                listen.append(f"{_endpoint(master_decision['address'], port)}:{len(members)}")
-            connect.append(f"{master} rendezvous={_endpoint(master_decision['address'], port)}")
+                listen.append(f"{endpoint(master_decision['address'], port)}:{len(members)}")
+            connect.append(f"{master} rendezvous={endpoint(master_decision['address'], port)}")
     for host in members:
         if host != me and host in decisions:
-            connect.append(f"{host}={_endpoint(decisions[host]['address'], probe_port)}")
+            connect.append(f"{host}={endpoint(decisions[host]['address'], probe_port)}")
     return {"listen": listen, "connect": connect, "errors": errors}
 
 
@@ -658,7 +656,7 @@ def nccl_unreached_message(result: dict[str, Any], me: str, decision: dict[str, 
     """Return one line naming the node, its NCCL interface and address, and the target it missed."""
     return (
         f"{me} (NCCL on {decision.get('interface')} {decision.get('address')}) cannot reach {result['name']} at "
-        f"{_endpoint(result['address'], result['port'])}: {result['error']}"
+        f"{endpoint(result['address'], result['port'])}: {result['error']}"
     )
 
 

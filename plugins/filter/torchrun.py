@@ -255,17 +255,17 @@ def torchrun_argv(
         )
     addr = job_master_addr(job, groups, nodes)
     is_master = host == job_master(job, groups)
+    static = job.get("rendezvous") == "static"
+    rank = job_node_ranks(job, groups, nodes).get(host) if static else None
     venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
     argv = [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
-    static = job.get("rendezvous") == "static"
-    if launcher and not (is_master if not static else job_node_ranks(job, groups, nodes).get(host) == 0):
+    if launcher and not (rank == 0 if static else is_master):
         # The launcher waits for the master's store before torchrun starts, so that a long
         # outage of the master is a wait, not a row of failed starts that ends in systemd's
         # start limit (the unit would stay failed when the master returns).
         argv.append(f"--wait-for-master={endpoint(addr, job['port'])}")
     argv.append(f"--nproc-per-node={nproc}")
     if static:
-        rank = job_node_ranks(job, groups, nodes).get(host)
         argv += [
             f"--nnodes={len(hosts)}",
             f"--node-rank={rank}",
