@@ -275,6 +275,41 @@ class StopRequest:
         return bool(flag.item())
 
 
+def restore(ctx: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> int:
+    """Load the newest checkpoint any node holds into model and optimizer; return its step."""
+    step, state, source = agree_on_resume(ctx, directory)
+    writer = ctx.local_rank == 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if writer:
+            log(f"resumed from step {step} ({source})")
+    elif writer:
+        log(f"no checkpoint in {directory}: starting at step 0")
+    return step
+
+
+def leave(ctx: Dist, stop: StopRequest, step: int) -> int:
+    """Say how the run ended, leave the process group and return the exit code."""
+    stopping = stop.signal is not None or stop.by_peer
+    if ctx.rank == 0:
+        log(f"{'stopped' if stopping else 'finished'} at step {step}")
+    if ctx.enabled:
+        # Every rank past its last checkpoint before any rank exits. NCCL wants its communicators
+        # destroyed before exit; destroying a gloo group made a finished rank abort at exit in 2 of
+        # 15 runs ("terminate called without an active exception", torch 2.13; seen in CI), and
+        # leaving it to the interpreter in none of 45.
+        dist.barrier()
+        if ctx.device.type == "cuda":
+            dist.destroy_process_group()
+    if stop.by_peer:
+        # This node was not asked to stop: the job is not finished, it waits for the stopped
+        # node. A non-zero exit has torchrun (or systemd) start the rendezvous again.
+        log(f"rank {ctx.rank}: a peer stopped at step {step}; waiting for it to come back")
+        return STOPPED_BY_PEER
+    return 0
+
+
 def train(args: argparse.Namespace) -> int:
     ctx = setup(args.backend)
     stop = StopRequest()
@@ -284,14 +319,7 @@ def train(args: argparse.Namespace) -> int:
     writer = ctx.local_rank == 0  # one writer per node: every node keeps its own copy
     model = make_model(args.hidden, args.seed).to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step, state, source = agree_on_resume(ctx, directory)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if writer:
-            log(f"resumed from step {step} ({source})")
-    elif writer:
-        log(f"no checkpoint in {directory}: starting at step 0")
+    step = restore(ctx, model, optimizer, directory)
     ddp: nn.Module = model
     if ctx.enabled:
         ddp = DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
@@ -323,25 +351,9 @@ def train(args: argparse.Namespace) -> int:
             policy.saved(step, now)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-    stopping = stop.signal is not None or stop.by_peer
     if writer and policy.last_step != step:
-        checkpoint(" (stop requested)" if stopping else " (final)")
-    if ctx.rank == 0:
-        log(f"{'stopped' if stopping else 'finished'} at step {step}")
-    if ctx.enabled:
-        # Every rank past its last checkpoint before any rank exits. NCCL wants its communicators
-        # destroyed before exit; destroying a gloo group made a finished rank abort at exit in 2 of
-        # 15 runs ("terminate called without an active exception", torch 2.13; seen in CI), and
-        # leaving it to the interpreter in none of 45.
-        dist.barrier()
-        if ctx.device.type == "cuda":
-            dist.destroy_process_group()
-    if stop.by_peer:
-        # This node was not asked to stop: the job is not finished, it waits for the stopped
-        # node. A non-zero exit has torchrun (or systemd) start the rendezvous again.
-        log(f"rank {ctx.rank}: a peer stopped at step {step}; waiting for it to come back")
-        return STOPPED_BY_PEER
-    return 0
+        checkpoint(" (stop requested)" if stop.signal is not None or stop.by_peer else " (final)")
+    return leave(ctx, stop, step)
 
 
 def main(argv: list[str] | None = None) -> int:
