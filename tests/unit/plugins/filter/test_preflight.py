@@ -58,7 +58,7 @@ def hostvars(**over: Any) -> dict[str, Any]:
         "processor_nproc": 16,
     }
     facts.update(over.pop("facts", {}))
-    return {"ansible_facts": facts, "_preflight_scripts_found": {"/srv/train.py": True}, **over}
+    return {"ansible_facts": facts, "budgetgpu_preflight_scripts": {"/srv/train.py": True}, **over}
 
 
 def make_nodes(**per_host: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -172,7 +172,7 @@ def test_jobs_on_disjoint_nodes_may_share_a_port():
 
 
 def test_a_missing_script_fails_on_that_host_only():
-    nodes = make_nodes(node2={"_preflight_scripts_found": {"/srv/train.py": False}})
+    nodes = make_nodes(node2={"budgetgpu_preflight_scripts": {"/srv/train.py": False}})
     result = check(jobs({}), nodes)
     assert fields(result) == {("node2", "script")}
     assert "/srv/train.py (missing)" in result["report"][-1]
@@ -338,7 +338,7 @@ def test_duplicate_job_names_fail():
 
 
 def test_different_torchrun_jobs_per_host_fail():
-    nodes = make_nodes(node1={"_preflight_jobs_digest": "a"}, node2={"_preflight_jobs_digest": "b"})
+    nodes = make_nodes(node1={"budgetgpu_preflight_jobs_digest": "a"}, node2={"budgetgpu_preflight_jobs_digest": "b"})
     assert fields(check(jobs({}), nodes)) == {("node2", "torchrun_jobs")}
 
 
