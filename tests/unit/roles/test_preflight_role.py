@@ -24,6 +24,11 @@ PLAYBOOK = """
         budgetgpu_pcie: "{{ fake_pcie }}"
         cacheable: true
 
+    - name: Work out the run's jobs as the probe does
+      ansible.builtin.include_role:
+        name: budgetgpu.cluster.torchrun
+        tasks_from: jobs
+
 - name: Preflight
   hosts: gpu_nodes
   gather_facts: false
