@@ -2,8 +2,8 @@
 its master, node ranks and processes, and the command line and environment of one node's unit.
 
 Controller-side and pure (job dicts and facts in, values out; no I/O). The torchrun role's ``jobs``
-entry point turns ``torchrun_jobs`` into the fact ``budgetgpu_jobs`` with ``jobs_normalize`` once a
-run; preflight, the firewall, the reachability check, the comm test and the units read that list,
+entry point turns ``torchrun_jobs`` into the fact ``budgetgpu_jobs`` with ``torchrun_jobs_normalize`` once a
+run; preflight, the firewall and the reachability check (nccl_network) and the units read that list,
 so what preflight approves is exactly what the units run. Bad input raises ValueError (the filter
 files turn it into AnsibleFilterError).
 
