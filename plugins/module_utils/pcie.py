@@ -316,36 +316,67 @@ def _fmt_link(gen: int | None, width: int | None) -> str:
     return f"gen{gen if gen is not None else '?'} x{width if width is not None else '?'}"
 
 
+# What to check when a GPU misses the inventory's expectation (pcie_facts and preflight say the same).
+_HINTS = {
+    "present": "check the card, its power and riser",
+    "width": "reseat the card or riser, check the riser cable and that the slot is wired for that width",
+    "gen": "check the riser (many only hold gen1-3) and the slot speed in the BIOS",
+}
+
+
+def _gpu_findings(gpu: dict[str, Any], min_width: int | None, want: dict[str, Any]) -> list[dict[str, Any]]:
+    bus_id = gpu.get("bus_id")
+    eff = gpu.get("effective") or {}
+    now = _fmt_link(eff.get("gen"), eff.get("width"))
+    hop = gpu.get("limiting_hop")
+    where = f" (limiting hop {hop})" if hop not in (None, bus_id) else ""
+    findings = []
+    floors = [width for width in (min_width, want.get("width")) if width]
+    if floors and (eff.get("width") is None or eff["width"] < max(floors)):
+        findings.append(
+            {"bus_id": bus_id, "check": "width", "found": now + where, "expected": f"x{max(floors)} or wider"}
+        )
+    gen_floor = want.get("gen")
+    # The GPU's own link drops its generation at idle: count it at what both its ends support, and
+    # every link above it at the generation it trained at.
+    links = gpu.get("links") or []
+    reachable = _min_known((gpu.get("capable") or {}).get("gen"), *(link.get("gen") for link in links[:-1]))
+    if gen_floor and (reachable is None or reachable < gen_floor):
+        found = f"gen{reachable} (now {now}){where}"
+        findings.append({"bus_id": bus_id, "check": "gen", "found": found, "expected": f"gen{gen_floor}"})
+    return findings
+
+
+def expectation_findings(
+    facts: dict[str, Any], min_width: int | None = None, expected: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Return every miss of the expected PCIe links, as {bus_id, check, found, expected, hint}; check is
+    "present" (an expected GPU is not on the bus), "width" or "gen". The one PCIe rule: the pcie_facts
+    module and preflight both use it. expected is keyed by bus id in any form normalize_bus_id takes."""
+    want = {normalize_bus_id(str(bus_id)): value for bus_id, value in (expected or {}).items()}
+    gpus = {gpu.get("bus_id"): gpu for gpu in facts.get("gpus") or []}
+    findings = [
+        {"bus_id": bus_id, "check": "present", "found": "not on the PCI bus", "expected": "a GPU"}
+        for bus_id in sorted(set(want) - set(gpus))
+    ]
+    for bus_id, gpu in sorted(gpus.items(), key=lambda item: str(item[0])):
+        findings += _gpu_findings(gpu, min_width, want.get(bus_id) or {})
+    return [{**finding, "hint": _HINTS[finding["check"]]} for finding in findings]
+
+
 def check_expectations(
     facts: dict[str, Any], host: str, min_width: int | None = None, expected: dict[str, dict[str, int]] | None = None
 ) -> list[str]:
     """Return one message per GPU that misses its expected width/generation (empty when all meet them)."""
-    problems = []
-    expected = {normalize_bus_id(k): v for k, v in (expected or {}).items()}
-    by_bus = {gpu["bus_id"]: gpu for gpu in facts["gpus"]}
-    for bus_id in sorted(set(expected) - set(by_bus)):
-        problems.append(f"{host}: GPU {bus_id} is expected but not on the PCI bus: check the card, its power and riser")
-    for gpu in facts["gpus"]:
-        eff = gpu["effective"]
-        found = _fmt_link(eff["gen"], eff["width"])
-        hint = f" (limiting hop {gpu['limiting_hop']})" if gpu["limiting_hop"] != gpu["bus_id"] else ""
-        want = expected.get(gpu["bus_id"], {})
-        floors = [width for width in (min_width, want.get("width")) if width]
-        width_floor = max(floors) if floors else None
-        if width_floor is not None and (eff["width"] is None or eff["width"] < width_floor):
-            problems.append(
-                f"{host}: GPU {gpu['bus_id']} runs PCIe {found}{hint}, expected x{width_floor} or wider: "
-                "reseat the card or riser, check the riser cable and that the slot is wired for that width"
-            )
-        gen_floor = want.get("gen")
-        # The GPU's own link drops its generation at idle: count it at what both its ends support.
-        reachable = _min_known(gpu["capable"]["gen"], *(link["gen"] for link in gpu["links"][:-1]))
-        if gen_floor is not None and (reachable is None or reachable < gen_floor):
-            problems.append(
-                f"{host}: GPU {gpu['bus_id']} can reach at best PCIe gen{reachable} (now {found}){hint}, "
-                f"expected gen{gen_floor}: check the riser (many only hold gen1-3) and the slot speed in the BIOS"
-            )
-    return problems
+    templates = {
+        "present": "{host}: GPU {bus_id} is expected but not on the PCI bus: {hint}",
+        "width": "{host}: GPU {bus_id} runs PCIe {found}, expected {expected}: {hint}",
+        "gen": "{host}: GPU {bus_id} can reach at best PCIe {found}, expected {expected}: {hint}",
+    }
+    return [
+        templates[finding["check"]].format(host=host, **finding)
+        for finding in expectation_findings(facts, min_width, expected)
+    ]
 
 
 def normalize_bus_id(bus_id: str) -> str:

@@ -366,7 +366,6 @@ import socket
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import (
     check_expectations,
-    normalize_bus_id,
     probe_pcie,
 )
 
@@ -410,7 +409,6 @@ def main() -> None:
         module.fail_json(msg="; ".join(bad))
     facts = probe_pcie(params["sysfs_root"])
     node = params["node_name"] or socket.gethostname()
-    expected = {normalize_bus_id(bus_id): want for bus_id, want in expected.items()}
     problems = check_expectations(facts, node, params["min_width"], expected)
     if problems:
         module.fail_json(msg="; ".join(problems), problems=problems, budgetgpu_pcie=facts)

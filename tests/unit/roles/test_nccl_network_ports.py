@@ -1,6 +1,6 @@
-"""The firewall guards the port each job really listens on: the units' port comes from the job list
-with torchrun_job_defaults applied, and so must the firewall's (a job default of 29600 once left the
-c10d store open while the table guarded 29500)."""
+"""The firewall guards the port each job really listens on: the units and the firewall read one job
+list, budgetgpu_jobs, with torchrun_job_defaults applied (a job default of 29600 once left the c10d
+store open while the table guarded 29500)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ PLAYBOOK = """\
   hosts: all
   gather_facts: false
   tasks:
-    - name: Load nccl_network's defaults
+    - name: Work out the run's jobs as role probe does
+      ansible.builtin.include_role:
+        name: budgetgpu.cluster.torchrun
+        tasks_from: jobs
+    - name: Load nccl_network's defaults and vars
       ansible.builtin.include_vars:
-        file: "{{ test_repo }}/roles/nccl_network/defaults/main.yml"
+        file: "{{ test_repo }}/roles/nccl_network/{{ item }}/main.yml"
+      loop: [defaults, vars]
     - name: Show them
       ansible.builtin.debug:
         msg: "PORTS={{ nccl_network_rendezvous_ports | to_json }}"

@@ -24,6 +24,11 @@ PLAYBOOK = """
         budgetgpu_pcie: "{{ fake_pcie }}"
         cacheable: true
 
+    - name: Work out the run's jobs as the probe does
+      ansible.builtin.include_role:
+        name: budgetgpu.cluster.torchrun
+        tasks_from: jobs
+
 - name: Preflight
   hosts: gpu_nodes
   gather_facts: false
@@ -65,7 +70,7 @@ def fake_node(gpus: int = 2, model: str = RTX) -> dict:
     }
 
 
-def playbook(tmp_path: Path, jobs: list[dict], nodes: dict[str, dict]) -> subprocess.CompletedProcess:
+def playbook(tmp_path: Path, jobs: list[dict], nodes: dict[str, dict], **group_vars) -> subprocess.CompletedProcess:
     marker_dir = tmp_path / "written"
     marker_dir.mkdir()
     inventory = {
@@ -75,6 +80,7 @@ def playbook(tmp_path: Path, jobs: list[dict], nodes: dict[str, dict]) -> subpro
                 "ansible_python_interpreter": sys.executable,
                 "torchrun_jobs": jobs,
                 "marker_dir": str(marker_dir),
+                **group_vars,
             },
             "children": {"gpu_nodes": {"hosts": nodes}},
         }
@@ -147,3 +153,13 @@ def test_a_bad_inventory_fails_in_preflight_naming_each_problem_and_writes_nothi
     assert "job many nproc_per_node: found 3, expected 1 to 4" not in out
     assert list((tmp_path / "written").iterdir()) == []
     assert "fake1                      : ok=" in out and "failed=1" in out
+
+
+def test_preflight_checks_the_jobs_as_the_units_run_them(tmp_path, script):
+    # preflight applied budgetgpu_user while the units ran as torchrun_user: torchrun_user: root
+    # passed preflight and the jobs ran as root.
+    jobs = [{"name": "demo", "script": script, "nproc_per_node": 2}]
+    proc = playbook(tmp_path, jobs, {"fake1": fake_node()}, torchrun_user="root", budgetgpu_user="budgetgpu")
+    assert proc.returncode != 0
+    assert "FAIL fake1: job demo user: found 'root', expected an unprivileged user" in proc.stdout
+    assert list((tmp_path / "written").iterdir()) == []

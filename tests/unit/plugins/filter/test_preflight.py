@@ -58,7 +58,7 @@ def hostvars(**over: Any) -> dict[str, Any]:
         "processor_nproc": 16,
     }
     facts.update(over.pop("facts", {}))
-    return {"ansible_facts": facts, "_preflight_scripts_found": {"/srv/train.py": True}, **over}
+    return {"ansible_facts": facts, "budgetgpu_preflight_scripts": {"/srv/train.py": True}, **over}
 
 
 def make_nodes(**per_host: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -172,7 +172,7 @@ def test_jobs_on_disjoint_nodes_may_share_a_port():
 
 
 def test_a_missing_script_fails_on_that_host_only():
-    nodes = make_nodes(node2={"_preflight_scripts_found": {"/srv/train.py": False}})
+    nodes = make_nodes(node2={"budgetgpu_preflight_scripts": {"/srv/train.py": False}})
     result = check(jobs({}), nodes)
     assert fields(result) == {("node2", "script")}
     assert "/srv/train.py (missing)" in result["report"][-1]
@@ -275,6 +275,29 @@ def test_pcie_expectations_take_every_bus_id_form_the_module_takes(bus_id):
     assert fields(check(jobs({}), nodes)) == {("node2", "pcie 0000:01:00.0 gen")}
 
 
+@pytest.mark.parametrize("bus_id", ["10000:e1:00.0", "00010000:E1:00.0"])
+def test_pcie_expectations_keep_vmd_domains_above_ffff(bus_id):
+    vmd = pcie_fact((16,))
+    vmd["gpus"][0].update(bus_id="10000:e1:00.0", limiting_hop="10000:e1:00.0")
+    nodes = make_nodes(node2={"facts": {"budgetgpu_pcie": vmd}, "probe_pcie_expected": {bus_id: {"gen": 4}}})
+    assert fields(check(jobs({}), nodes)) == {("node2", "pcie 10000:e1:00.0 gen")}
+
+
+def test_pcie_generation_counts_the_links_above_the_gpu_as_pcie_facts_does():
+    # Preflight compared only what both ends of each link support; pcie_facts (the one rule) also counts
+    # a switch link that trained below it. An idle GPU's own link at gen1 is no problem.
+    fact = pcie_fact((16, 16))
+    for gpu, upstream_gen in zip(fact["gpus"], (3, 4), strict=True):
+        gpu["capable"] = {"gen": 4, "width": 16}
+        gpu["links"] = [{"gen": upstream_gen, "width": 16}, {"gen": 1, "width": 16}]
+    expected = {"0000:01:00.0": {"gen": 4}, "0000:02:00.0": {"gen": 4}}
+    nodes = make_nodes(node2={"facts": {"budgetgpu_pcie": fact}, "probe_pcie_expected": expected})
+    result = check(jobs({}), nodes)
+    assert fields(result) == {("node2", "pcie 0000:01:00.0 gen")}
+    problem = result["problems"][0]
+    assert problem["found"].startswith("gen3") and problem["expected"] == "gen4" and "riser" in problem["hint"]
+
+
 def test_a_node_that_is_down_fails_preflight_but_only_warns_in_safe_mode():
     nodes = make_nodes(node2={"facts": {}})
     nodes["node2"]["probed"] = False
@@ -338,7 +361,7 @@ def test_duplicate_job_names_fail():
 
 
 def test_different_torchrun_jobs_per_host_fail():
-    nodes = make_nodes(node1={"_preflight_jobs_digest": "a"}, node2={"_preflight_jobs_digest": "b"})
+    nodes = make_nodes(node1={"budgetgpu_preflight_jobs_digest": "a"}, node2={"budgetgpu_preflight_jobs_digest": "b"})
     assert fields(check(jobs({}), nodes)) == {("node2", "torchrun_jobs")}
 
 

@@ -1,0 +1,408 @@
+"""The job model: one training job of ``torchrun_jobs`` with every default applied, where it runs,
+its master, node ranks and processes, and the command line and environment of one node's unit.
+
+Controller-side and pure (job dicts and facts in, values out; no I/O). The torchrun role's ``jobs``
+entry point turns ``torchrun_jobs`` into the fact ``budgetgpu_jobs`` with ``torchrun_jobs_normalize`` once a
+run; preflight, the firewall and the reachability check (nccl_network) and the units read that list,
+so what preflight approves is exactly what the units run. Bad input raises ValueError (the filter
+files turn it into AnsibleFilterError).
+
+A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml documents each key):
+
+    name: pretrain                      # ^[A-Za-z0-9_.-]+$ (unit budgetgpu-job-<name>.service)
+    script: /srv/train.py               # or module: mypkg.train (exactly one of the two)
+    args: [--epochs, "10"]
+    nodes: gpu_nodes                    # an inventory group
+    nproc_per_node: gpu                 # "gpu" (the node's GPU count) or a number
+    master: node1                       # default: first host of the group
+    port: 29500
+    rendezvous: c10d                    # or static (--node-rank/--master-addr as in the guide)
+    max_restarts: 3
+    checkpoint_every_minutes: 15
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+
+JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]*[$]?$")
+RENDEZVOUS = ("c10d", "static")
+BACKENDS = ("auto", "nccl", "gloo")
+STATES = ("started", "stopped", "absent")
+UNIT_PREFIX = "budgetgpu-job-"
+
+# The built-in default of every optional key: the one place job defaults live (the torchrun role's
+# argument spec repeats them for ansible-doc; a unit test holds the two equal). torchrun_user and
+# torchrun_venv, then torchrun_job_defaults, then a job's own keys override them.
+JOB_DEFAULTS: dict[str, Any] = {
+    "script": None,
+    "module": None,
+    "args": [],
+    "venv": "/opt/budgetgpu/venv",
+    "workdir": None,  # /var/lib/budgetgpu/jobs/<name>
+    "nodes": "gpu_nodes",
+    "nproc_per_node": "gpu",
+    "master": None,  # first host of nodes
+    "master_addr": None,  # master's cluster address, else its ansible_host, else its name
+    "port": 29500,
+    "rendezvous": "c10d",
+    "rendezvous_timeout": 900,
+    "node_ranks": {},
+    "max_restarts": 3,
+    "checkpoint_dir": None,  # <workdir>/checkpoints
+    "checkpoint_every_minutes": 15,
+    "checkpoint_every_steps": 0,
+    "environment": {},
+    "user": "budgetgpu",
+    "backend": "auto",
+    "allow_mixed_gpus": False,
+    "state": "started",
+    "enabled": True,
+}
+JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
+STATE_ROOT = "/var/lib/budgetgpu/jobs"
+ENV_DIR = "/etc/budgetgpu/jobs"
+
+
+def unit_name(name: str) -> str:
+    """Return the systemd unit of a job: "budgetgpu-job-<name>.service"."""
+    return f"{UNIT_PREFIX}{name}.service"
+
+
+def torchrun_job_normalize(
+    job: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    user: str | None = None,
+    venv: str | None = None,
+) -> dict[str, Any]:
+    """Return the job with every key present. Precedence, lowest first: JOB_DEFAULTS, the shared
+    user and venv (torchrun_user, torchrun_venv), defaults (torchrun_job_defaults), the job's keys.
+
+    Unknown keys are kept (preflight reports them); values are not checked here.
+    """
+    if not isinstance(job, Mapping):
+        raise ValueError(f"torchrun_jobs: each job must be a dict, got {type(job).__name__}: {job!r}")
+    merged: dict[str, Any] = dict(JOB_DEFAULTS)
+    merged.update({k: v for k, v in {"user": user, "venv": venv}.items() if v})
+    merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
+    merged.update(job)
+    # Extra vars and some inventories give numbers as strings: take "29500" as 29500.
+    for key in ("port", "max_restarts", "rendezvous_timeout", "checkpoint_every_steps", "nproc_per_node"):
+        value = merged.get(key)
+        if isinstance(value, str) and value.strip().isdigit():
+            merged[key] = int(value)
+    minutes = merged.get("checkpoint_every_minutes")
+    if isinstance(minutes, str) and re.fullmatch(r"\d+(\.\d*)?", minutes.strip()):
+        merged["checkpoint_every_minutes"] = float(minutes)
+    name = str(merged.get("name") or "")
+    if not merged.get("workdir"):
+        merged["workdir"] = f"{STATE_ROOT}/{name}"
+    if not merged.get("checkpoint_dir"):
+        merged["checkpoint_dir"] = f"{merged['workdir'].rstrip('/')}/checkpoints"
+    merged["unit"] = unit_name(name)
+    merged["env_file"] = f"{ENV_DIR}/{name}.env"
+    merged["state_dir"] = f"{STATE_ROOT}/{name}"
+    return merged
+
+
+def torchrun_jobs_normalize(
+    jobs: Any, defaults: Mapping[str, Any] | None = None, user: str | None = None, venv: str | None = None
+) -> list[dict[str, Any]]:
+    """Return every job of torchrun_jobs normalised (see torchrun_job_normalize): budgetgpu_jobs."""
+    if jobs is None:
+        return []
+    if not isinstance(jobs, list):
+        raise ValueError(f"torchrun_jobs must be a list of jobs, got {type(jobs).__name__}: {jobs!r}")
+    if defaults is not None and not isinstance(defaults, Mapping):
+        raise ValueError(f"torchrun_job_defaults must be a dict of job keys, got {type(defaults).__name__}")
+    return [torchrun_job_normalize(job, defaults, user, venv) for job in jobs]
+
+
+def _facts(hostvars: Mapping[str, Any]) -> Mapping[str, Any]:
+    facts = hostvars.get("ansible_facts") or {}
+    return facts if isinstance(facts, Mapping) else {}
+
+
+def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
+    """Return what the checks and units need to know about one node, from its hostvars."""
+    facts = _facts(hostvars)
+    gpus = facts.get("budgetgpu_gpus")
+    pcie = facts.get("budgetgpu_pcie")
+    net = facts.get("budgetgpu_net") or {}
+    driver = (gpus or {}).get("driver") or {}
+    loaded = driver.get("state") == "loaded"
+    # Without a loaded driver NVML sees nothing, but the GPUs are still on the PCI bus.
+    if gpus is not None and loaded:
+        gpu_count, models = int(gpus.get("count") or 0), [g.get("name") for g in gpus.get("gpus") or []]
+    elif pcie is not None:
+        gpu_count, models = int(pcie.get("count") or 0), [g.get("name") for g in pcie.get("gpus") or []]
+    else:
+        gpu_count, models = None, []
+    pcie_gpus = (pcie or {}).get("gpus") or []
+    if pcie_gpus and all(g.get("device_id") for g in pcie_gpus):
+        # A model is what its PCI device id says, read from sysfs with or without a driver: NVML's
+        # "NVIDIA GeForce RTX 3090" on a provisioned node and the sysfs table's "GeForce RTX 3090"
+        # on a fresh one are the same card.
+        models = [f"{g.get('name')} ({g['device_id']})" for g in pcie_gpus]
+    cluster_if = net.get("cluster_interface") if isinstance(net, Mapping) else None
+    return {
+        "host": host,
+        "probed": gpus is not None or pcie is not None,
+        "gpu_count": gpu_count,
+        "gpu_models": [m for m in models if m],
+        "driver_state": driver.get("state"),
+        "driver_version": driver.get("version"),
+        "pcie": pcie,
+        "python_env": facts.get("budgetgpu_python_env")
+        or (facts.get("ansible_local") or {}).get("budgetgpu_python_env"),
+        "vcpus": facts.get("processor_nproc") or facts.get("processor_vcpus"),
+        "cluster_address": (cluster_if or {}).get("address"),
+        "address": hostvars.get("ansible_host") or host,
+        "simulated": bool(hostvars.get("budgetgpu_simulated", False)),
+        "node_rank": hostvars.get("torchrun_node_rank"),
+        # The inventory's expectations for the probe (role probe); preflight checks them itself.
+        "pcie_min_width": hostvars.get("probe_pcie_min_width"),
+        "pcie_expected": hostvars.get("probe_pcie_expected") or {},
+        # Facts the preflight role sets on each node (CONTRIBUTING lists them).
+        "scripts_found": hostvars.get("budgetgpu_preflight_scripts") or {},
+        "jobs_digest": hostvars.get("budgetgpu_preflight_jobs_digest"),
+    }
+
+
+def cluster_nodes(
+    hostvars: Mapping[str, Any], hosts: list[str], failed: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Return node_info for each of hosts, keyed by host; `failed` hosts (unreachable, or their probe
+    failed in this run) count as not probed even where the fact cache still holds older facts."""
+    nodes = {}
+    for host in dict.fromkeys(hosts):
+        nodes[host] = node_info(hostvars.get(host) or {}, host)
+        if host in (failed or []):
+            nodes[host]["probed"] = False
+    return nodes
+
+
+def job_hosts(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[str]:
+    """Return the hosts of a job's group, in inventory order ([] for an unknown group)."""
+    return list(groups.get(str(job.get("nodes")), []) or [])
+
+
+def job_master(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> str | None:
+    """Return the job's master host: the one named, else the first host of its group."""
+    if job.get("master"):
+        return str(job["master"])
+    hosts = job_hosts(job, groups)
+    return hosts[0] if hosts else None
+
+
+def job_node_ranks(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> dict[str, Any]:
+    """Return host -> node rank: the job's node_ranks, else each host's torchrun_node_rank, else
+    the master first and the others in group order."""
+    hosts = job_hosts(job, groups)
+    given = dict(job.get("node_ranks") or {})
+    for host in hosts:
+        rank = (nodes.get(host) or {}).get("node_rank")
+        if host not in given and rank is not None:
+            given[host] = rank
+    if given:
+        return {host: given.get(host) for host in hosts}
+    master = job_master(job, groups)
+    ordered = [master] + [h for h in hosts if h != master] if master in hosts else hosts
+    return {host: rank for rank, host in enumerate(ordered)}
+
+
+def job_nproc(job: Mapping[str, Any], node: Mapping[str, Any]) -> int | None:
+    """Return the number of processes a job runs on a node ("gpu": the node's GPU count)."""
+    value = job.get("nproc_per_node")
+    if value in ("gpu", "auto", None):
+        return node.get("gpu_count")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def job_master_addr(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> str | None:
+    """Return the address every node dials for the rendezvous."""
+    if job.get("master_addr"):
+        return str(job["master_addr"])
+    master = job_master(job, groups)
+    node = nodes.get(master) or {}
+    return node.get("cluster_address") or node.get("address") or master
+
+
+def job_backend(job: Mapping[str, Any], node: Mapping[str, Any]) -> str:
+    """Return the torch.distributed backend: gloo on simulated (CPU) nodes, NCCL on GPUs."""
+    if job.get("backend") not in (None, "auto"):
+        return str(job["backend"])
+    return "gloo" if node.get("simulated") else "nccl"
+
+
+def torchrun_argv(
+    job: Mapping[str, Any],
+    host: str,
+    groups: Mapping[str, list[str]],
+    nodes: Mapping[str, Any],
+    launcher: str | None = None,
+) -> list[str]:
+    """Return the unit's ExecStart as an argv list for this host: <venv>/bin/torchrun, or the
+    launcher (a torchrun wrapper) run by the venv's python."""
+    hosts = job_hosts(job, groups)
+    node = nodes.get(host) or {}
+    nproc = job_nproc(job, node)
+    if nproc is None:
+        raise ValueError(
+            f"{host}: job {job.get('name')}: cannot tell nproc_per_node: no GPU facts (run the probe first)"
+        )
+    addr = job_master_addr(job, groups, nodes)
+    is_master = host == job_master(job, groups)
+    static = job.get("rendezvous") == "static"
+    rank = job_node_ranks(job, groups, nodes).get(host) if static else None
+    venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
+    argv = [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
+    if launcher and not (rank == 0 if static else is_master):
+        # The launcher waits for the master's store before torchrun starts, so that a long
+        # outage of the master is a wait, not a row of failed starts that ends in systemd's
+        # start limit (the unit would stay failed when the master returns).
+        argv.append(f"--wait-for-master={endpoint(addr, job['port'])}")
+    argv.append(f"--nproc-per-node={nproc}")
+    if static:
+        argv += [
+            f"--nnodes={len(hosts)}",
+            f"--node-rank={rank}",
+            f"--master-addr={addr}",
+            f"--master-port={job['port']}",
+        ]
+    else:
+        argv += [
+            f"--nnodes={len(hosts)}:{len(hosts)}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint(addr, job['port'])}",
+            f"--rdzv-id={job['name']}",
+            # is_host: the master hosts the c10d store because the inventory says so. Left to
+            # itself torch decides by resolving its hostname, and on a stock install (hostname on
+            # 127.0.1.1, the cluster address not in /etc/hosts) no node would host it.
+            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)},is_host={int(is_master)}",
+        ]
+    if node.get("cluster_address"):
+        # Workers find rank 0 by the address its agent advertises: the cluster one, not the hostname.
+        argv.append(f"--local-addr={node['cluster_address']}")
+    argv.append(f"--max-restarts={job['max_restarts']}")
+    if job.get("module"):
+        argv += ["--module", str(job["module"])]
+    else:
+        argv.append(str(job["script"]))
+    argv += [str(arg) for arg in job.get("args") or []]
+    return argv
+
+
+def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, Any]) -> dict[str, str]:
+    """Return the job's env file for this host: what the collection sets, then the user's variables."""
+    node = nodes.get(host) or {}
+    env = {
+        "BUDGETGPU_JOB": str(job["name"]),
+        "BUDGETGPU_CHECKPOINT_DIR": str(job["checkpoint_dir"]),
+        "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
+        "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
+        "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if job.get("rendezvous") != "static":
+        # The workers get a store of their own for each rendezvous round. torch's default shares
+        # the agent's store across in-place restarts, and a restarted worker then read its peers'
+        # addresses of the round before: gloo's connectFullMesh failed with "Connection refused"
+        # and every in-place restart with it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update({str(k): str(v) for k, v in (job.get("environment") or {}).items()})
+    return env
+
+
+def systemd_quote(value: Any) -> str:
+    """Return one word for ExecStart= or an env file, double-quoted with systemd's escapes."""
+    text = str(value)
+    text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def systemd_exec(argv: list[str]) -> str:
+    """Return an argv list as an ExecStart= command line ($ and % doubled: no expansion)."""
+    return " ".join(systemd_quote(a).replace("$", "$$").replace("%", "%%") for a in argv)
+
+
+def torchrun_masters_unknown(
+    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Return this host's jobs whose master has no cluster address in this run (no facts: an
+    ansible-pull run knows only its own node) and that name no master_addr."""
+    return [
+        dict(job)
+        for job in jobs
+        if host in job_hosts(job, groups)
+        and job.get("state") != "absent"
+        and not job.get("master_addr")
+        and not (nodes.get(job_master(job, groups)) or {}).get("cluster_address")
+    ]
+
+
+_RECORDED_ENDPOINT = re.compile(r'"--rdzv-endpoint=(\[[^\]"]+\]|[^":]+):\d+"|"--master-addr=([^"]+)"')
+
+
+def torchrun_recorded_masters(slurped: list[Mapping[str, Any]]) -> dict[str, str]:
+    """Return {job name: master address} read from the ExecStart= of units written before (slurp
+    results, item = the job): the address an earlier run with the master's facts decided."""
+    recorded = {}
+    for result in slurped or []:
+        job, content = result.get("item") or {}, result.get("content")
+        if not content or not job.get("name"):
+            continue
+        match = _RECORDED_ENDPOINT.search(base64.b64decode(content).decode("utf-8", "replace"))
+        if match:
+            recorded[str(job["name"])] = (match[1] or match[2]).strip("[]")
+    return recorded
+
+
+def torchrun_plan(
+    jobs: list[Mapping[str, Any]],
+    host: str,
+    groups: Mapping[str, list[str]],
+    nodes: Mapping[str, Any],
+    launcher: str | None = None,
+    recorded_masters: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Return the normalised jobs that run on host, each with its exec line and env for this host.
+
+    recorded_masters ({job: address}, torchrun_recorded_masters) stands in for the master's cluster
+    address when this run has no facts of the master, so that the unit keeps the address it has.
+    """
+    plan = []
+    for job in jobs:
+        if host not in job_hosts(job, groups):
+            continue
+        if job.get("name") in (recorded_masters or {}) and torchrun_masters_unknown([job], host, groups, nodes):
+            job = {**job, "master_addr": recorded_masters[job["name"]]}
+        item = dict(job)
+        item["node_count"] = len(job_hosts(job, groups))
+        if job.get("state") != "absent":
+            item["argv"] = torchrun_argv(job, host, groups, nodes, launcher)
+            item["exec_start"] = systemd_exec(item["argv"])
+            item["env"] = torchrun_environment(job, host, nodes)
+        plan.append(item)
+    return plan
+
+
+def systemd_show(output: str) -> dict[str, dict[str, str]]:
+    """`systemctl show --property=Id,... UNIT...` output as {unit: {property: value}}: one call for
+    every job's unit, where service_facts lists every unit on the node."""
+    units: dict[str, dict[str, str]] = {}
+    for block in str(output).strip().split("\n\n"):
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if "Id" in props:
+            units[props["Id"]] = props
+    return units

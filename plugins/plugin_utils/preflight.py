@@ -1,0 +1,493 @@
+"""Cluster-wide preflight checks: the run's jobs (budgetgpu_jobs) against what the probes found on
+every node.
+
+Controller-side and pure; no I/O. ``cluster_check(nodes, jobs, groups, options)`` returns
+``{"problems": [...], "warnings": [...], "report": [lines]}``; each problem and warning is a dict
+``{host, job, field, found, expected, hint}``, and every report line names host, field, what was
+found and what was expected. ``nodes`` comes from ``cluster_nodes`` and the jobs from
+``torchrun_jobs_normalize`` (plugins/plugin_utils/jobs.py, the job model).
+
+Checks:
+
+- each job: a valid name (no spaces or slashes), exactly one of script/module, a known rendezvous
+  backend, port, restarts, checkpoint interval, absolute paths, an unprivileged user, known keys;
+- each job across its nodes: every node probed, ``nproc_per_node`` between 1 and the node's GPU
+  count, node ranks unique and contiguous (master = rank 0 with static rendezvous), the master
+  in the group, the script present on every node, one GPU model (unless ``allow_mixed_gpus``),
+  one driver major, one torch/CUDA/NCCL version in the venvs, the same job list on every node;
+  fewer CPUs per process than ``min_cpus_per_process`` is a warning;
+- across jobs: no two jobs that share a node on one port;
+- each node: PCIe links not below what the inventory expects (``probe_pcie_min_width``,
+  ``probe_pcie_expected``), by the one PCIe rule of plugins/module_utils/pcie.py.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import expectation_findings
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    BACKENDS,
+    ENV_NAME,
+    JOB_KEYS,
+    JOB_NAME,
+    RENDEZVOUS,
+    STATES,
+    USER_NAME,
+    job_hosts,
+    job_master,
+    job_node_ranks,
+    job_nproc,
+)
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "min_cpus_per_process": 2,
+    # Scripts the collection installs itself (train.yml), so they need not exist yet.
+    "provided_scripts": [],
+    # The nightly run (safe mode): a node that is down is reported, the others go on.
+    "down_nodes_ok": False,
+}
+MIXED_GPUS_HINT = "faster GPUs wait for slower ones in DDP; set allow_mixed_gpus: true to accept it"
+
+Problem = dict[str, Any]
+# A bad field of one job: (field, found, expected, hint); the caller adds host and job.
+Bad = tuple[str, Any, str, str]
+
+
+def _problem(host: str, job: str | None, field: str, found: Any, expected: Any, hint: str = "") -> Problem:
+    return {"host": host, "job": job, "field": field, "found": found, "expected": expected, "hint": hint}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_or_none(value: Any) -> int | None:
+    if _is_int(value):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+def _where(hosts: list[str]) -> str:
+    return ",".join(hosts) if hosts else "all"
+
+
+def job_script_path(job: Mapping[str, Any]) -> str | None:
+    """Return the absolute path of a job's script on the nodes (relative paths: in its workdir)."""
+    script = job.get("script")
+    if not script or not isinstance(script, str):
+        return None
+    return script if script.startswith("/") else posixpath.join(str(job.get("workdir") or "/"), script)
+
+
+def preflight_script_paths(
+    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], provided: list[str] | None = None
+) -> list[str]:
+    """Return the scripts that must exist on host (those of its jobs, minus the collection's own)."""
+    paths = []
+    for job in jobs:
+        if host in job_hosts(job, groups) and job.get("state") != "absent":
+            path = job_script_path(job)
+            if path and path not in (provided or []) and path not in paths:
+                paths.append(path)
+    return paths
+
+
+# --- one job on its own -------------------------------------------------------------------
+
+
+def _bad_identity(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> Iterator[Bad]:
+    """Name, keys, what runs, where and the master."""
+    name, hosts = job.get("name"), job_hosts(job, groups)
+    if not isinstance(name, str) or not JOB_NAME.fullmatch(name):
+        yield (
+            "name",
+            name,
+            "letters, digits, '_', '.' or '-' (^[A-Za-z0-9_.-]+$)",
+            "the name becomes a unit and a directory name: no spaces or slashes",
+        )
+    for key in sorted(set(job) - JOB_KEYS - {"unit", "env_file", "state_dir"}):
+        yield key, job[key], f"one of the known keys: {', '.join(sorted(JOB_KEYS))}", "a typo? see torchrun_jobs"
+    script, module = job.get("script"), job.get("module")
+    if bool(script) == bool(module):
+        found = f"script={script!r}, module={module!r}"
+        yield "script", found, "exactly one of script (a path on the node) or module (python -m)", ""
+    elif script is not None and not isinstance(script, str):
+        yield "script", script, "a path (string)", ""
+    if not isinstance(job.get("args"), list):
+        yield "args", job.get("args"), "a list of arguments", ""
+    if not hosts:
+        groups_known = ", ".join(sorted(groups))
+        yield "nodes", job.get("nodes"), f"an inventory group with at least one host (groups: {groups_known})", ""
+    master = job_master(job, groups)
+    if hosts and master not in hosts:
+        yield "master", master, f"a host of group {job.get('nodes')}: {', '.join(hosts)}", "name a node of the job"
+
+
+def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """Processes, port, rendezvous, restarts and checkpoint intervals."""
+    nproc = job.get("nproc_per_node")
+    if nproc not in ("gpu", "auto") and (_int_or_none(nproc) is None or _int_or_none(nproc) < 1):
+        yield "nproc_per_node", nproc, '"gpu" (the node\'s GPU count) or a number of 1 or more', ""
+    port = job.get("port")
+    if not _is_int(port) or not 1 <= port <= 65535:
+        yield "port", port, "a TCP port from 1 to 65535", ""
+    if job.get("rendezvous") not in RENDEZVOUS:
+        hint = "c10d: elastic rendezvous on the master; static: fixed node ranks as in the guide"
+        yield "rendezvous", job.get("rendezvous"), f"one of {', '.join(RENDEZVOUS)}", hint
+    timeout = job.get("rendezvous_timeout")
+    if not _is_int(timeout) or timeout < 1:
+        yield "rendezvous_timeout", timeout, "seconds, 1 or more", ""
+    restarts = job.get("max_restarts")
+    if not _is_int(restarts) or restarts < 0:
+        yield "max_restarts", restarts, "a number of 0 or more", ""
+    minutes, steps = job.get("checkpoint_every_minutes"), job.get("checkpoint_every_steps")
+    if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes < 0:
+        yield "checkpoint_every_minutes", minutes, "minutes, 0 (off) or more", ""
+    if not _is_int(steps) or steps < 0:
+        yield "checkpoint_every_steps", steps, "steps, 0 (off) or more", ""
+
+
+def _bad_environment(env: Any) -> Iterator[Bad]:
+    if not isinstance(env, Mapping):
+        yield "environment", env, "a dict of variable names to values", ""
+        return
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+            yield f"environment.{key}", key, "a variable name (^[A-Za-z_][A-Za-z0-9_]*$)", ""
+        elif isinstance(value, Mapping | list):
+            yield f"environment.{key}", value, "a string or number", ""
+
+
+def _bad_runtime(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """Paths, environment, user and the switches."""
+    for field in ("venv", "workdir", "checkpoint_dir"):
+        value = job.get(field)
+        if not isinstance(value, str) or not value.startswith("/") or "\n" in value:
+            yield field, value, "an absolute path", ""
+    yield from _bad_environment(job.get("environment"))
+    user = job.get("user")
+    if not isinstance(user, str) or not USER_NAME.fullmatch(user):
+        yield "user", user, "a system user name", ""
+    elif user == "root":
+        yield (
+            "user",
+            user,
+            "an unprivileged user",
+            "jobs never run as root; torchrun_user (budgetgpu_user) is the default",
+        )
+    for field, choices in (("backend", BACKENDS), ("state", STATES)):
+        if job.get(field) not in choices:
+            yield field, job.get(field), f"one of {', '.join(choices)}", ""
+    for field in ("enabled", "allow_mixed_gpus"):
+        if not isinstance(job.get(field), bool):
+            yield field, job.get(field), "true or false", ""
+    if not isinstance(job.get("node_ranks"), Mapping):
+        yield "node_ranks", job.get("node_ranks"), "a dict of host: rank", ""
+
+
+def _check_job_fields(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[Problem]:
+    label = str(job["name"]) if job.get("name") else None
+    hosts = job_hosts(job, groups)
+    where = _where(hosts)
+    bads = [*_bad_identity(job, groups), *_bad_numbers(job), *_bad_runtime(job)]
+    out = [_problem(where, label, *bad) for bad in bads]
+    ranks = job.get("node_ranks")
+    for host in sorted(set(ranks) - set(hosts)) if isinstance(ranks, Mapping) else []:
+        expected = f"hosts of group {job.get('nodes')} only: {', '.join(hosts)}"
+        out.append(_problem(host, label, "node_ranks", f"rank for {host}", expected))
+    return out
+
+
+# --- one job across its nodes -------------------------------------------------------------
+
+
+def _expected_value(values: Mapping[str, Any], master: str | None) -> Any:
+    """Return the value the others should match: the master's, else the most common one."""
+    if master in values:
+        return values[master]
+    return Counter(values.values()).most_common(1)[0][0]
+
+
+def _check_same(
+    job: Mapping[str, Any], values: Mapping[str, Any], field: str, hint: str, master: str | None
+) -> list[Problem]:
+    if len(set(values.values())) <= 1:
+        return []
+    expected = _expected_value(values, master)
+    where = ", ".join(h for h, v in values.items() if v == expected)
+    return [
+        _problem(host, job["name"], field, value, f"{expected} (as on {where})", hint)
+        for host, value in values.items()
+        if value != expected
+    ]
+
+
+def _driver_major(version: Any) -> str | None:
+    return str(version).split(".")[0] if version else None
+
+
+def _check_probed(job: Mapping[str, Any], hosts: list[str], probed: list[str]) -> list[Problem]:
+    hint = "the node was unreachable or its probe failed: see the probe's output above"
+    return [
+        _problem(host, job["name"], "budgetgpu_gpus", "no probe facts", "gpu_facts and pcie_facts results", hint)
+        for host in hosts
+        if host not in probed
+    ]
+
+
+def _check_processes(
+    job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any], options: Mapping[str, Any]
+) -> tuple[list[Problem], list[Problem]]:
+    """nproc_per_node against each node's GPUs (a problem) and CPUs (a warning)."""
+    problems, warnings = [], []
+    value = job.get("nproc_per_node")
+    value_ok = value in ("gpu", "auto") or (_int_or_none(value) or 0) >= 1
+    floor = options["min_cpus_per_process"]
+    for host in probed:
+        node = nodes[host]
+        count, nproc, cpus = node.get("gpu_count") or 0, job_nproc(job, node), node.get("vcpus")
+        if value_ok and nproc is not None and not 1 <= nproc <= count:
+            hint = (
+                "this node has no GPU the probes can see: check the driver (gpu_facts) and the PCI bus"
+                if count == 0
+                else "run at most one process per GPU"
+            )
+            problems.append(
+                _problem(host, job["name"], "nproc_per_node", value, f"1 to {count} (GPUs on {host})", hint)
+            )
+        if nproc and cpus and cpus / nproc < floor:
+            found = f"{cpus} CPUs for {nproc} processes"
+            hint = "a weak CPU starves the data loader (the guide gained 15% from a better one)"
+            warnings.append(
+                _problem(host, job["name"], "cpus per process", found, f"{floor} or more per process", hint)
+            )
+    return problems, warnings
+
+
+def _check_ranks(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> list[Problem]:
+    """Node ranks: numbers, unique, contiguous, the master first (static rendezvous)."""
+    name, count = job["name"], len(job_hosts(job, groups))
+    ranks = job_node_ranks(job, groups, nodes)
+    problems, by_rank = [], {}
+    for host, rank in ranks.items():
+        if _int_or_none(rank) is None:
+            problems.append(_problem(host, name, "node_rank", rank, f"a number from 0 to {count - 1}"))
+        else:
+            by_rank.setdefault(_int_or_none(rank), []).append(host)
+    for rank, owners in sorted(by_rank.items()):
+        for host in owners if len(owners) > 1 else []:
+            others = ", ".join(o for o in owners if o != host)
+            hint = f"{others} has rank {rank} too"
+            problems.append(_problem(host, name, "node_rank", rank, "a rank no other node of the job has", hint))
+    if by_rank and len(by_rank) == len(ranks) and sorted(by_rank) != list(range(count)):
+        problems += [
+            _problem(host, name, "node_rank", rank, f"ranks 0 to {count - 1}, each once", "ranks must be contiguous")
+            for host, rank in ranks.items()
+            if _int_or_none(rank) not in range(count)
+        ]
+    master = job_master(job, groups)
+    if job.get("rendezvous") == "static" and master in ranks and _int_or_none(ranks[master]) not in (0, None):
+        hint = "static rendezvous: the master is node rank 0"
+        problems.append(_problem(master, name, "node_rank", ranks[master], "0 on the master", hint))
+    return problems
+
+
+def _check_script(
+    job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any], options: Mapping[str, Any]
+) -> list[Problem]:
+    path = job_script_path(job)
+    if not path or path in options["provided_scripts"]:
+        return []
+    return [
+        _problem(
+            host,
+            job["name"],
+            "script",
+            f"{path} (missing)",
+            "an existing file on the node",
+            "copy the script to every node",
+        )
+        for host in probed
+        if nodes[host].get("scripts_found", {}).get(path) is False
+    ]
+
+
+def _check_gpu_models(
+    job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any], master: str | None
+) -> list[Problem]:
+    """One GPU model within each node and across the nodes, unless the job allows mixed GPUs."""
+    if job.get("allow_mixed_gpus"):
+        return []
+    problems = []
+    for host in probed:
+        models = sorted(set(nodes[host].get("gpu_models") or []))
+        if len(models) > 1:
+            problems.append(
+                _problem(host, job["name"], "gpu model", " + ".join(models), "one GPU model", MIXED_GPUS_HINT)
+            )
+    single = {h: nodes[h]["gpu_models"][0] for h in probed if len(set(nodes[h].get("gpu_models") or [])) == 1}
+    return problems + _check_same(job, single, "gpu model", MIXED_GPUS_HINT, master)
+
+
+def _check_software(
+    job: Mapping[str, Any], hosts: list[str], probed: list[str], nodes: Mapping[str, Any], master: str | None
+) -> list[Problem]:
+    """One driver major, one torch/CUDA/NCCL and one job list on every node of the job."""
+    loaded = [h for h in probed if nodes[h].get("driver_state") == "loaded"]
+    majors = {h: _driver_major(nodes[h].get("driver_version")) for h in loaded}
+    problems = _check_same(
+        job, majors, "driver major", "install one driver branch on every node (nvidia_driver)", master
+    )
+    for field in ("torch", "cuda", "nccl"):
+        envs = {h: nodes[h].get("python_env") for h in probed if isinstance(nodes[h].get("python_env"), Mapping)}
+        values = {h: str(env.get(field)) for h, env in envs.items()}
+        problems += _check_same(job, values, field, "provision every node from one python_env (provision.yml)", master)
+    digests = {h: nodes[h].get("jobs_digest") for h in hosts if (nodes.get(h) or {}).get("jobs_digest")}
+    hint = (
+        "define torchrun_jobs and its defaults (torchrun_job_defaults, torchrun_user, torchrun_venv) once "
+        "(group_vars/all), not per host"
+    )
+    return problems + _check_same(job, digests, "torchrun_jobs", hint, master)
+
+
+def _check_job_nodes(
+    job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any], options: Mapping[str, Any]
+) -> tuple[list[Problem], list[Problem]]:
+    hosts, master = job_hosts(job, groups), job_master(job, groups)
+    probed = [h for h in hosts if (nodes.get(h) or {}).get("probed")]
+    unprobed = _check_probed(job, hosts, probed)
+    problems, warnings = ([], unprobed) if options.get("down_nodes_ok") else (unprobed, [])
+    process_problems, process_warnings = _check_processes(job, probed, nodes, options)
+    problems += process_problems + _check_ranks(job, groups, nodes) + _check_script(job, probed, nodes, options)
+    problems += _check_gpu_models(job, probed, nodes, master) + _check_software(job, hosts, probed, nodes, master)
+    return problems, warnings + process_warnings
+
+
+def _job_warnings(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[Problem]:
+    where, name, warnings = _where(job_hosts(job, groups)), job.get("name"), []
+    if job.get("checkpoint_every_minutes") == 0 and job.get("checkpoint_every_steps") == 0:
+        hint = "a crash then loses the whole run"
+        warnings.append(
+            _problem(
+                where,
+                name,
+                "checkpoint interval",
+                "0 minutes and 0 steps",
+                "a checkpoint every N minutes or steps",
+                hint,
+            )
+        )
+    restarts = job.get("max_restarts")
+    if job.get("rendezvous") == "static" and _is_int(restarts) and restarts > 0:
+        # torch's static rendezvous hands the workers of every restart round the same store,
+        # and restarted workers read their peers' old addresses (gloo: Connection refused).
+        hint = (
+            "torch's static rendezvous keeps one store across in-place restarts, which then fail; "
+            "with 0 systemd restarts the units fresh, or use rendezvous c10d (in-place restarts work)"
+        )
+        found = f"{restarts} with rendezvous static"
+        warnings.append(_problem(where, name, "max_restarts", found, "0 with rendezvous static", hint))
+    return warnings
+
+
+# --- across jobs and per node -------------------------------------------------------------
+
+
+def _check_ports(jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]]) -> list[Problem]:
+    problems = []
+    active = [j for j in jobs if j.get("state") != "absent" and _is_int(j.get("port"))]
+    for i, job in enumerate(active):
+        for other in active[:i]:
+            shared = [h for h in job_hosts(job, groups) if h in job_hosts(other, groups)]
+            if job["port"] == other["port"] and shared:
+                expected = f"a port other than {other['port']}, which job {other.get('name')} uses on these nodes"
+                problems.append(
+                    _problem(
+                        ",".join(shared), job.get("name"), "port", job["port"], expected, "give every job its own port"
+                    )
+                )
+    names = Counter(str(j.get("name")) for j in jobs)
+    for name, count in names.items():
+        if count > 1:
+            problems.append(_problem("all", name, "name", f"{name} ({count} jobs)", "a name used by one job only"))
+    return problems
+
+
+def _fmt_link(link: Mapping[str, Any]) -> str:
+    gen, width = link.get("gen"), link.get("width")
+    return f"gen{gen if gen is not None else '?'} x{width if width is not None else '?'}"
+
+
+def _check_pcie(host: str, node: Mapping[str, Any]) -> tuple[list[Problem], list[Problem]]:
+    """Problems where a GPU misses the inventory's expectation (the one PCIe rule, module_utils/pcie.py);
+    warnings where a link trained below what both its ends support."""
+    pcie = node.get("pcie") or {}
+    expected = {
+        bus_id: {key: _int_or_none(value) for key, value in want.items()} if isinstance(want, Mapping) else {}
+        for bus_id, want in (node.get("pcie_expected") or {}).items()
+    }
+    problems = []
+    for finding in expectation_findings(pcie, _int_or_none(node.get("pcie_min_width")), expected):
+        check = "" if finding["check"] == "present" else f" {finding['check']}"
+        field = f"pcie {finding['bus_id']}{check}"
+        problems.append(_problem(host, None, field, finding["found"], finding["expected"], finding["hint"]))
+    warnings = []
+    for gpu in sorted(pcie.get("gpus") or [], key=lambda gpu: str(gpu.get("bus_id"))):
+        if gpu.get("downgraded"):
+            hop = gpu.get("limiting_hop")
+            where = f" (limiting hop {hop})" if hop not in (None, gpu.get("bus_id")) else ""
+            found = _fmt_link(gpu.get("effective") or {}) + where
+            expected_link = _fmt_link(gpu.get("capable") or {}) + " (what both ends support)"
+            hint = "; ".join(gpu.get("downgrade_reasons") or [])
+            warnings.append(_problem(host, None, f"pcie {gpu.get('bus_id')} link", found, expected_link, hint))
+    return problems, warnings
+
+
+def _line(level: str, item: Mapping[str, Any]) -> str:
+    job = f"job {item['job']} " if item.get("job") else ""
+    hint = f": {item['hint']}" if item.get("hint") else ""
+    return f"{level} {item['host']}: {job}{item['field']}: found {item['found']!r}, expected {item['expected']}{hint}"
+
+
+def _node_line(host: str, node: Mapping[str, Any]) -> str:
+    if not node.get("probed"):
+        return f"  node {host}: not probed"
+    models = ", ".join(f"{n}x {m}" for m, n in sorted(Counter(node.get("gpu_models") or []).items())) or "no GPU"
+    driver = node.get("driver_version") or node.get("driver_state") or "unknown"
+    cpus = node.get("vcpus") or "?"
+    return f"  node {host}: {node.get('gpu_count')} GPUs ({models}), driver {driver}, {cpus} CPUs"
+
+
+def cluster_check(
+    nodes: Mapping[str, Mapping[str, Any]],
+    jobs: list[Mapping[str, Any]],
+    groups: Mapping[str, list[str]],
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Return {problems, warnings, report} for the whole cluster (see the module docstring)."""
+    opts = dict(DEFAULT_OPTIONS)
+    opts.update({k: v for k, v in (options or {}).items() if v is not None})
+    problems: list[Problem] = []
+    warnings: list[Problem] = []
+    for job in jobs:
+        problems += _check_job_fields(job, groups)
+        if job.get("state") == "absent" or not job_hosts(job, groups):
+            continue
+        node_problems, node_warnings = _check_job_nodes(job, groups, nodes, opts)
+        problems += node_problems
+        warnings += node_warnings + _job_warnings(job, groups)
+    problems += _check_ports(jobs, groups)
+    for host in sorted(nodes):
+        pcie_problems, pcie_warnings = _check_pcie(host, nodes[host])
+        problems += pcie_problems
+        warnings += pcie_warnings
+    summary = f"{len(nodes)} nodes, {len(jobs)} jobs: {len(problems)} problems, {len(warnings)} warnings"
+    report = [f"budgetgpu preflight: {summary}"] + [_node_line(host, nodes[host]) for host in sorted(nodes)]
+    report += [_line("FAIL", p) for p in problems] + [_line("WARN", w) for w in warnings]
+    return {"problems": problems, "warnings": warnings, "report": report}
