@@ -1,6 +1,7 @@
 """The firewall guards the port each job really listens on: the units' port comes from the job list
 with torchrun_job_defaults applied, and so must the firewall's (a job default of 29600 once left the
-c10d store open while the table guarded 29500)."""
+c10d store open while the table guarded 29500). Both come from the role's one job list,
+_nccl_network_jobs (vars/main.yml)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ PLAYBOOK = """\
   hosts: all
   gather_facts: false
   tasks:
-    - name: Load nccl_network's defaults
+    - name: Load nccl_network's defaults and vars
       ansible.builtin.include_vars:
-        file: "{{ test_repo }}/roles/nccl_network/defaults/main.yml"
+        file: "{{ test_repo }}/roles/nccl_network/{{ item }}/main.yml"
+      loop: [defaults, vars]
     - name: Show them
       ansible.builtin.debug:
-        msg: "PORTS={{ nccl_network_rendezvous_ports | to_json }}"
+        msg: "PORTS={{ _nccl_network_rendezvous_ports | to_json }}"
 """
 
 
