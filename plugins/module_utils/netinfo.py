@@ -243,9 +243,8 @@ def _candidates(
             addresses = [a for a in addresses if in_subnet(a, subnet)]
         if not addresses:
             continue
-        if not named and iface.get("kind") in ("docker",) + (() if subnet else ("bridge",)):
-            refused.append(_label(iface))
-        elif link_down(iface):
+        unnamed_kind = not named and iface.get("kind") in ("docker",) + (() if subnet else ("bridge",))
+        if unnamed_kind or link_down(iface):
             refused.append(_label(iface))
         else:
             address = next((a for a in addresses if in_subnet(a, subnet)), addresses[0])

@@ -235,7 +235,8 @@ ansible_facts:
         cluster_interface:
           description: >-
             The interface and address that carry this node's cluster traffic (NCCL, gloo, rendezvous,
-            firewall, reachability check); null when none may (see RV(ansible_facts.budgetgpu_net.cluster_interface_error)).
+            firewall, reachability check); null when none may
+            (see RV(ansible_facts.budgetgpu_net.cluster_interface_error)).
           type: dict
           returned: always
           contains:

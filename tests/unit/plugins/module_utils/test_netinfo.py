@@ -188,7 +188,8 @@ def test_the_10g_port_beats_the_1g_port_in_the_same_subnet():
     chosen = netinfo.choose_cluster_interface(interfaces, SUBNET)["interface"]
     assert (chosen["name"], chosen["address"], chosen["speed_mbps"]) == ("eth1", "10.0.0.15", 10000)
     assert chosen["reason"] == (
-        "holds the cluster address 10.0.0.15 in 10.0.0.0/24, carrier up, 10000 Mb/s; passed over eth0 (physical, 1000 Mb/s)"
+        "holds the cluster address 10.0.0.15 in 10.0.0.0/24, carrier up, 10000 Mb/s; "
+        "passed over eth0 (physical, 1000 Mb/s)"
     )
 
 
