@@ -163,8 +163,10 @@ def endpoint(address: str, port: Any) -> str:
 # The cluster interface: the one address per node that NCCL, gloo, the rendezvous, --local-addr,
 # the firewall and the reachability check all use. Kinds that may carry it, best first: a veth
 # holds the address of a container node; a bridge only when nothing else holds the cluster address
-# (a NIC enslaved to br0). Loopback and Docker's bridges never carry it unless the rule names them.
+# (a NIC enslaved to br0). Docker's bridges carry it only when the rule names them, loopback only
+# in a loopback subnet (a one-machine cluster).
 USABLE_KINDS = ("physical", "bond", "vlan", "infiniband", "virtual", "veth", "bridge")
+# Kinds whose addresses are not the node's own on the cluster network (firewall members leave them out).
 NEVER_KINDS = ("loopback", "docker")
 RULE_VARIABLE = "budgetgpu_cluster_interface"
 

@@ -20,7 +20,8 @@ description:
   - The cluster interface is the interface holding an address in O(cluster_subnet) (any address
     without a subnet) whose link is not down, limited to those O(interface_rule) selects; among
     several, a better kind (physical, bond, vlan, infiniband, virtual, veth, bridge) and then the
-    faster link win. Loopback and Docker bridges carry it only when the rule names them.
+    faster link win. Docker bridges carry it only when the rule names them, loopback only when
+    the subnet is a loopback network.
   - Addresses come from C(ip -j addr) run in the C locale; without iproute2, from the kernel
     directly (each interface's primary IPv4 address and its IPv6 addresses).
   - Returns C(ansible_facts.budgetgpu_net); never reports C(changed).
