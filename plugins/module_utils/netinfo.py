@@ -155,33 +155,210 @@ def describe_infiniband(sysfs_root: str) -> list[dict[str, Any]]:
     return devices
 
 
-_CLUSTER_PREFERENCE = {"veth": 1, "bridge": 2, "docker": 3, "loopback": 4}
-
-
 def endpoint(address: str, port: Any) -> str:
     """Return host:port for a dialer, an IPv6 address in brackets ([fd00::1]:29500)."""
     return f"[{address}]:{port}" if ":" in str(address) else f"{address}:{port}"
 
 
-def find_cluster_interface(interfaces: list[dict[str, Any]], subnet: str) -> dict[str, Any] | None:
-    """Return {name, address, prefixlen} of the interface holding an address in subnet, or None."""
+# The cluster interface: the one address per node that NCCL, gloo, the rendezvous, --local-addr,
+# the firewall and the reachability check all use. Kinds that may carry it, best first: a veth
+# holds the address of a container node; a bridge only when nothing else holds the cluster address
+# (a NIC enslaved to br0). Docker's bridges carry it only when the rule names them, loopback only
+# in a loopback subnet (a one-machine cluster).
+USABLE_KINDS = ("physical", "bond", "vlan", "infiniband", "virtual", "veth", "bridge")
+# Kinds whose addresses are not the node's own on the cluster network (firewall members leave them out).
+NEVER_KINDS = ("loopback", "docker")
+RULE_VARIABLE = "budgetgpu_cluster_interface"
+
+
+def ip_or_none(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(str(text).split("%")[0])
+    except ValueError:
+        return None
+
+
+def global_addresses(iface: dict[str, Any], keep_loopback: bool = False) -> list[str]:
+    """Return the interface's addresses, IPv4 first, without link-local (and loopback) ones."""
+    found = [ip_or_none(entry.get("address", "")) for entry in iface.get("addresses") or []]
+    usable = [a for a in found if a is not None and not a.is_link_local and (keep_loopback or not a.is_loopback)]
+    return [str(a) for a in sorted(usable, key=lambda a: a.version)]
+
+
+def in_subnet(address: str, subnet: str | None) -> bool:
+    if not subnet:
+        return False
     network = ipaddress.ip_network(subnet, strict=False)
-    # A broad subnet (172.16.0.0/12) can also hold docker0's or a bridge's address: the NIC
-    # that carries the cluster address wins over them, loopback comes last.
-    for iface in sorted(interfaces, key=lambda i: _CLUSTER_PREFERENCE.get(i["kind"], 0)):
-        for entry in iface["addresses"]:
-            address = ipaddress.ip_address(entry["address"].split("%")[0])
-            if address.version == network.version and address in network:
-                return {"name": iface["name"], "address": entry["address"], "prefixlen": entry["prefixlen"]}
-    return None
+    ip = ip_or_none(address)
+    return ip is not None and ip.version == network.version and ip in network
+
+
+def speed_text(iface: dict[str, Any]) -> str:
+    speed = iface.get("speed_mbps")
+    return f"{speed} Mb/s" if speed else "speed unknown"
+
+
+def link_down(iface: dict[str, Any]) -> bool:
+    """Return whether the link is known to be down (no carrier, or the kernel says down)."""
+    return iface.get("carrier") is False or iface.get("operstate") == "down"
+
+
+def match_interface_rule(interfaces: list[dict[str, Any]], rule: str) -> list[dict[str, Any]]:
+    """Return the interfaces an NCCL_SOCKET_IFNAME-style rule selects (=exact, ^exclude, prefixes)."""
+    rule = rule.strip()
+    # NCCL reads "^" (exclude) first, then "=" (exact names): "^=eth0" leaves out eth0 alone.
+    exclude = rule.startswith("^")
+    rule = rule[1:] if exclude else rule
+    exact = rule.startswith("=")
+    words = tuple(w.strip() for w in (rule[1:] if exact else rule).split(",") if w.strip())
+
+    def named(iface: dict[str, Any]) -> bool:
+        return iface["name"] in words if exact else iface["name"].startswith(words)
+
+    return [i for i in interfaces if named(i) != exclude]
+
+
+def _rank(pair: tuple[dict[str, Any], str], subnet: str | None) -> tuple[int, int, int]:
+    """Sort key: an address in the subnet first, then the better kind, then the faster link."""
+    iface, address = pair
+    kind = iface.get("kind", "virtual")
+    kind_rank = USABLE_KINDS.index(kind) if kind in USABLE_KINDS else len(USABLE_KINDS)
+    return (0 if in_subnet(address, subnet) else 1, kind_rank, -(iface.get("speed_mbps") or 0))
+
+
+def _label(iface: dict[str, Any]) -> str:
+    speed = iface.get("speed_mbps")
+    down = " with its carrier down" if link_down(iface) else ""
+    return f"{iface['name']} ({iface.get('kind')}{f', {speed} Mb/s' if speed else ''}){down}"
+
+
+def _candidates(
+    interfaces: list[dict[str, Any]], subnet: str | None, rule: str | None
+) -> tuple[list[tuple[dict[str, Any], str]], list[str]]:
+    """Return ([(interface, address)] that may carry the cluster address, [refused "name (why)"])."""
+    candidates, refused = [], []
+    # Docker's bridges (and, without a subnet, any bridge) carry it only when the rule names them.
+    named = bool(rule) and not rule.strip().startswith("^")
+    for iface in interfaces:
+        addresses = global_addresses(iface, keep_loopback=bool(subnet))
+        if subnet and not rule:
+            addresses = [a for a in addresses if in_subnet(a, subnet)]
+        if not addresses:
+            continue
+        unnamed_kind = not named and iface.get("kind") in ("docker",) + (() if subnet else ("bridge",))
+        if unnamed_kind or link_down(iface):
+            refused.append(_label(iface))
+        else:
+            address = next((a for a in addresses if in_subnet(a, subnet)), addresses[0])
+            candidates.append((iface, address))
+    return candidates, refused
+
+
+def _kind_note(iface: dict[str, Any]) -> str:
+    kind = iface.get("kind")
+    if kind == "veth":
+        return ", veth: this node is a container"
+    if kind == "bridge":
+        return ", a bridge: the only interface with the cluster address"
+    return ""
+
+
+def _why_none(interfaces: list[dict[str, Any]], subnet: str | None, rule: str | None, refused: list[str]) -> str:
+    """Return the error when no interface may carry the cluster address: what was found, what to fix."""
+    seen = ", ".join(
+        f"{i['name']} {'/'.join(global_addresses(i)) or 'no address'}{' (carrier down)' if link_down(i) else ''}"
+        for i in interfaces
+        if i.get("kind") != "loopback"
+    )
+    if rule:
+        return (
+            f"inventory asks for interface '{rule}' ({RULE_VARIABLE}), but no interface with an address matches "
+            f"it with its link up (interfaces: {seen or 'none'}): fix {RULE_VARIABLE}"
+        )
+    detail = f"; {', '.join(refused)} hold it but NCCL must not use them" if refused else ""
+    if subnet:
+        return (
+            f"no usable interface has an address in the cluster subnet {subnet} (found: {seen or 'none'}){detail}: "
+            f"fix budgetgpu_cluster_subnet or set {RULE_VARIABLE}"
+        )
+    return (
+        "no network interface with an address and a link besides loopback, docker and bridges "
+        f"(found: {seen or 'none'}): set budgetgpu_cluster_subnet or {RULE_VARIABLE}"
+    )
+
+
+def _warnings(chosen: dict[str, Any], address: str, interfaces: list[dict[str, Any]], subnet: str | None) -> list[str]:
+    """Warn about a chosen address outside the subnet, or a faster NIC that does not carry it."""
+    if subnet and not in_subnet(address, subnet):
+        return [
+            f"{chosen['name']} ({address}) is outside the cluster subnet {subnet}: peers reach it only if they "
+            "have a route to it"
+        ]
+    faster = [
+        i
+        for i in interfaces
+        if i.get("kind") in ("physical", "bond")
+        and (i.get("speed_mbps") or 0) > (chosen.get("speed_mbps") or 0)
+        and not link_down(i)
+    ]
+    if not (subnet and faster and chosen.get("speed_mbps")):
+        return []
+    best = max(faster, key=lambda i: i.get("speed_mbps") or 0)
+    return [
+        f"{best['name']} ({speed_text(best)}) is faster than {chosen['name']} ({speed_text(chosen)}) but does not "
+        f"carry the cluster subnet {subnet}: move the cluster addresses to {best['name']} or set {RULE_VARIABLE}"
+    ]
+
+
+def choose_cluster_interface(
+    interfaces: list[dict[str, Any]], subnet: str | None = None, rule: str | None = None
+) -> dict[str, Any]:
+    """Return {interface: {name, address, prefixlen, kind, speed_mbps, reason, warnings} or None, error}.
+
+    rule: an NCCL_SOCKET_IFNAME-style rule (eth1, =eth1, ^docker,lo, ^=eth0, enp) that limits the
+    choice; without one, the interfaces holding an address in subnet (any, without a subnet). A link
+    that is down is never chosen; among the rest an address in the subnet, the kind, then the speed win.
+    """
+    # Loopback only where the inventory's subnet is a loopback network (a one-machine cluster).
+    loopback_subnet = bool(subnet) and ipaddress.ip_network(subnet, strict=False).is_loopback
+    named = [i for i in interfaces if i.get("name") and (i.get("kind") != "loopback" or loopback_subnet)]
+    pool = match_interface_rule(named, rule) if rule else named
+    candidates, refused = _candidates(pool, subnet, rule)
+    if not candidates:
+        return {"interface": None, "error": _why_none(named, subnet, rule, refused)}
+    candidates.sort(key=lambda pair: _rank(pair, subnet))
+    chosen, address = candidates[0]
+    if rule:
+        where = f"set by inventory ({RULE_VARIABLE}={rule}), {address}"
+    elif subnet:
+        where = f"holds the cluster address {address} in {subnet}"
+    else:
+        where = f"fastest interface with an address (no budgetgpu_cluster_subnet set), {address}"
+    carrier = ", carrier up" if chosen.get("carrier") else ""
+    others = [_label(i) for i, _ in candidates[1:]] + refused
+    passed = f"; passed over {', '.join(others)}" if others else ""
+    prefixlen = next((e.get("prefixlen") for e in chosen.get("addresses") or [] if e.get("address") == address), None)
+    return {
+        "interface": {
+            "name": chosen["name"],
+            "address": address,
+            "prefixlen": prefixlen,
+            "kind": chosen.get("kind"),
+            "speed_mbps": chosen.get("speed_mbps"),
+            "reason": f"{where}{carrier}, {speed_text(chosen)}{_kind_note(chosen)}{passed}",
+            "warnings": _warnings(chosen, address, interfaces, subnet),
+        },
+        "error": None,
+    }
 
 
 def probe_net(
     sysfs_root: str = "/sys",
     addresses: dict[str, list[dict[str, Any]]] | None = None,
     cluster_subnet: str | None = None,
+    interface_rule: str | None = None,
 ) -> dict[str, Any]:
-    """Return {interfaces, infiniband, cluster_subnet, cluster_interface}."""
+    """Return {interfaces, infiniband, cluster_subnet, interface_rule, cluster_interface, cluster_interface_error}."""
     net_dir = os.path.join(sysfs_root, "class", "net")
     try:
         names = sorted(os.listdir(net_dir))
@@ -189,10 +366,12 @@ def probe_net(
         names = []
     addresses = addresses or {}
     interfaces = [describe_interface(sysfs_root, name, addresses.get(name, [])) for name in names]
-    cluster = find_cluster_interface(interfaces, cluster_subnet) if cluster_subnet else None
+    cluster = choose_cluster_interface(interfaces, cluster_subnet, interface_rule or None)
     return {
         "interfaces": interfaces,
         "infiniband": describe_infiniband(sysfs_root),
         "cluster_subnet": cluster_subnet,
-        "cluster_interface": cluster,
+        "interface_rule": interface_rule or None,
+        "cluster_interface": cluster["interface"],
+        "cluster_interface_error": cluster["error"],
     }

@@ -12,10 +12,16 @@ module: net_facts
 short_description: Network interfaces, InfiniBand/RoCE devices and the cluster interface
 version_added: "0.1.0"
 description:
-  - Lists the node's network interfaces with kind, speed, MTU, carrier, driver and addresses,
-    the InfiniBand and RoCE devices under C(/sys/class/infiniband) with their port states, and,
-    given the cluster subnet, the interface that carries this node's cluster address (what
-    C(NCCL_SOCKET_IFNAME) and C(GLOO_SOCKET_IFNAME) should name).
+  - >-
+    Lists the node's network interfaces with kind, speed, MTU, carrier, driver and addresses,
+    the InfiniBand and RoCE devices under C(/sys/class/infiniband) with their port states, and
+    the cluster interface, the one interface and address of this node that NCCL, gloo, the
+    rendezvous endpoint, C(--local-addr), the firewall and the reachability check all use.
+  - The cluster interface is the interface holding an address in O(cluster_subnet) (any address
+    without a subnet) whose link is not down, limited to those O(interface_rule) selects; among
+    several, a better kind (physical, bond, vlan, infiniband, virtual, veth, bridge) and then the
+    faster link win. Docker bridges carry it only when the rule names them, loopback only when
+    the subnet is a loopback network.
   - Addresses come from C(ip -j addr) run in the C locale; without iproute2, from the kernel
     directly (each interface's primary IPv4 address and its IPv6 addresses).
   - Returns C(ansible_facts.budgetgpu_net); never reports C(changed).
@@ -30,6 +36,14 @@ options:
     description:
       - The cluster network in CIDR form (C(10.10.0.0/24)). When set,
         RV(ansible_facts.budgetgpu_net.cluster_interface) names the interface holding an address in it.
+    type: str
+  interface_rule:
+    description:
+      - Which interfaces may carry the cluster address, in C(NCCL_SOCKET_IFNAME) forms
+        (the inventory's C(budgetgpu_cluster_interface)).
+      - C(eth) selects names starting with it, C(=eth1) exactly that name, C(^docker,lo)
+        every name not starting with those, C(^=eth0) every name but exactly that one.
+      - An address in O(cluster_subnet) still wins among the selected interfaces.
     type: str
 attributes:
   check_mode:
@@ -47,12 +61,15 @@ EXAMPLES = r"""
   budgetgpu.cluster.net_facts:
     cluster_subnet: "{{ budgetgpu_cluster_subnet }}"
 
-- name: Refuse a node without an address in the cluster subnet
+- name: Pin the cluster address to the second port
+  budgetgpu.cluster.net_facts:
+    cluster_subnet: 10.10.0.0/24
+    interface_rule: "=eth1"
+
+- name: Refuse a node without a cluster interface
   ansible.builtin.assert:
     that: ansible_facts['budgetgpu_net']['cluster_interface'] is not none
-    fail_msg: >-
-      {{ inventory_hostname }} has no address in {{ budgetgpu_cluster_subnet }}:
-      check its network configuration
+    fail_msg: "{{ inventory_hostname }}: {{ ansible_facts['budgetgpu_net']['cluster_interface_error'] }}"
 """
 
 RETURN = r"""
@@ -204,10 +221,23 @@ ansible_facts:
           type: str
           returned: always
           sample: 10.10.0.0/24
+        interface_rule:
+          description: The interface rule that was asked for; null when none.
+          type: str
+          returned: always
+          sample: "=eth1"
+        cluster_interface_error:
+          description: Why no interface may carry the cluster address, and what to fix; null when one does.
+          type: str
+          returned: always
+          sample: >-
+            no usable interface has an address in the cluster subnet 10.10.0.0/24 (found: eth0 192.168.1.5):
+            fix budgetgpu_cluster_subnet or set budgetgpu_cluster_interface
         cluster_interface:
           description: >-
-            The interface holding an address in the cluster subnet; null when none does or no
-            subnet was given.
+            The interface and address that carry this node's cluster traffic (NCCL, gloo, rendezvous,
+            firewall, reachability check); null when none may
+            (see RV(ansible_facts.budgetgpu_net.cluster_interface_error)).
           type: dict
           returned: always
           contains:
@@ -226,6 +256,29 @@ ansible_facts:
               type: int
               returned: always
               sample: 24
+            kind:
+              description: Kind of the interface (see RV(ansible_facts.budgetgpu_net.interfaces[].kind)).
+              type: str
+              returned: always
+              sample: physical
+            speed_mbps:
+              description: Link speed in Mb/s; null when unknown.
+              type: int
+              returned: always
+              sample: 10000
+            reason:
+              description: Why this interface, and which others it was preferred over.
+              type: str
+              returned: always
+              sample: >-
+                holds the cluster address 10.10.0.12 in 10.10.0.0/24, carrier up, 10000 Mb/s;
+                passed over eth1 (physical, 1000 Mb/s)
+            warnings:
+              description: What may still be wrong (an address outside the subnet, a faster NIC left idle).
+              type: list
+              elements: str
+              returned: always
+              sample: []
 """
 
 import ipaddress
@@ -246,6 +299,7 @@ def build_module() -> AnsibleModule:
         argument_spec={
             "sysfs_root": {"type": "path", "default": "/sys"},
             "cluster_subnet": {"type": "str"},
+            "interface_rule": {"type": "str"},
         },
         supports_check_mode=True,
     )
@@ -269,7 +323,7 @@ def main() -> None:
             ipaddress.ip_network(subnet, strict=False)
         except ValueError as exc:
             module.fail_json(msg=f"cluster_subnet '{subnet}' is not a network in CIDR form like 10.10.0.0/24: {exc}")
-    facts = probe_net(module.params["sysfs_root"], read_addresses(module), subnet)
+    facts = probe_net(module.params["sysfs_root"], read_addresses(module), subnet, module.params["interface_rule"])
     module.exit_json(changed=False, ansible_facts={"budgetgpu_net": facts})
 
 

@@ -75,7 +75,7 @@ def test_bridge_with_a_cluster_address_is_passed_over() -> None:
 
 def test_inventory_override_wins_for_node3() -> None:
     text = node("network-node3").file(ENV_FILE).content_string
-    assert "set by inventory (nccl_network_interface=eth1)" in text
+    assert "set by inventory (budgetgpu_cluster_interface=eth1)" in text
     assert (
         interface_of("network-node3", docker_address("network-node3", NETWORK))
         not in env_of("network-node3")["NCCL_SOCKET_IFNAME"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import choose_cluster_interface
 from fake_host import output_of, run_playbook
 
 SUBNET = "10.9.0.0/24"
@@ -54,20 +55,24 @@ FIREWALL = (
 
 
 def fake_net(address: str) -> dict:
+    interfaces = [
+        {
+            "name": "eth0",
+            "kind": "physical",
+            "speed_mbps": 10000,
+            "carrier": True,
+            "operstate": "up",
+            "addresses": [{"family": "ipv4", "address": address, "prefixlen": 24}],
+        }
+    ]
+    # What net_facts reports: the cluster interface is decided there, once.
+    chosen = choose_cluster_interface(interfaces, SUBNET)
     return {
-        "interfaces": [
-            {
-                "name": "eth0",
-                "kind": "physical",
-                "speed_mbps": 10000,
-                "carrier": True,
-                "operstate": "up",
-                "addresses": [{"family": "ipv4", "address": address, "prefixlen": 24}],
-            }
-        ],
+        "interfaces": interfaces,
         "infiniband": [],
         "cluster_subnet": SUBNET,
-        "cluster_interface": None,
+        "cluster_interface": chosen["interface"],
+        "cluster_interface_error": chosen["error"],
     }
 
 

@@ -24,7 +24,7 @@ PLAYBOOK = """\
       loop: [defaults, vars]
     - name: Show them
       ansible.builtin.debug:
-        msg: "PORTS={{ nccl_network_rendezvous_ports | to_json }}"
+        msg: "PORTS={{ _nccl_network_rendezvous_ports | to_json }}"
 """
 
 

@@ -135,7 +135,12 @@ def test_cluster_interface_is_the_one_holding_an_address_in_the_subnet(tmp_path)
     addresses = netinfo.parse_ip_addr_json(IP_JSON)
     assert addresses["eth0"][1] == {"family": "ipv6", "address": "fe80::1", "prefixlen": 64}
     facts = netinfo.probe_net(str(tmp_path), addresses, "10.10.0.0/24")
-    assert facts["cluster_interface"] == {"name": "eth0", "address": "10.10.0.12", "prefixlen": 24}
+    chosen = facts["cluster_interface"]
+    assert {k: chosen[k] for k in ("name", "address", "prefixlen")} == {
+        "name": "eth0",
+        "address": "10.10.0.12",
+        "prefixlen": 24,
+    }
     assert netinfo.probe_net(str(tmp_path), addresses, "192.168.7.0/24")["cluster_interface"] is None
     assert netinfo.probe_net(str(tmp_path), addresses, "10.10.0.5/24")["cluster_interface"]["name"] == "eth0"
 
@@ -155,5 +160,98 @@ def test_cluster_interface_prefers_the_nic_over_docker0_in_a_broad_subnet():
         iface("br-extra", "bridge", "172.30.0.1"),
         iface("eth0", "physical", "172.24.0.2"),
     ]
-    assert netinfo.find_cluster_interface(interfaces, "172.16.0.0/12")["name"] == "eth0"
-    assert netinfo.find_cluster_interface(interfaces[:2], "172.16.0.0/12")["name"] == "br-extra"
+    assert netinfo.choose_cluster_interface(interfaces, "172.16.0.0/12")["interface"]["name"] == "eth0"
+    assert netinfo.choose_cluster_interface(interfaces[:2], "172.16.0.0/12")["interface"]["name"] == "br-extra"
+
+
+# -- the cluster interface: one decision for NCCL, gloo, the rendezvous and the firewall ------------
+
+
+def nic(name, *addresses, kind="physical", speed=None, carrier=True, prefix=24):
+    return {
+        "name": name,
+        "kind": kind,
+        "speed_mbps": speed,
+        "operstate": "up" if carrier else "down",
+        "carrier": carrier,
+        "addresses": [{"family": "ipv4", "address": a, "prefixlen": prefix} for a in addresses],
+    }
+
+
+SUBNET = "10.0.0.0/24"
+
+
+def test_the_10g_port_beats_the_1g_port_in_the_same_subnet():
+    # find_cluster_interface took the first by kind and name (eth0, 1GbE) while NCCL took the
+    # 10GbE port: the rendezvous and --local-addr went over the slow link.
+    interfaces = [nic("eth0", "10.0.0.5", speed=1000), nic("eth1", "10.0.0.15", speed=10000)]
+    chosen = netinfo.choose_cluster_interface(interfaces, SUBNET)["interface"]
+    assert (chosen["name"], chosen["address"], chosen["speed_mbps"]) == ("eth1", "10.0.0.15", 10000)
+    assert chosen["reason"] == (
+        "holds the cluster address 10.0.0.15 in 10.0.0.0/24, carrier up, 10000 Mb/s; "
+        "passed over eth0 (physical, 1000 Mb/s)"
+    )
+
+
+def test_probe_net_reports_the_faster_port_as_the_cluster_interface(tmp_path):
+    for index, (name, speed) in enumerate((("eth0", "1000"), ("eth1", "10000")), start=2):
+        make_iface(tmp_path, name, device=f"devices/pci0000:00/0000:00:0{index}.0", speed=speed, carrier="1",
+                   type="1", operstate="up", ifindex=str(index), iflink=str(index))  # fmt: skip
+    addresses = {
+        "eth0": [{"family": "ipv4", "address": "10.0.0.5", "prefixlen": 24}],
+        "eth1": [{"family": "ipv4", "address": "10.0.0.15", "prefixlen": 24}],
+    }
+    facts = netinfo.probe_net(str(tmp_path), addresses, SUBNET)
+    assert facts["cluster_interface"]["address"] == "10.0.0.15"
+    assert facts["cluster_interface_error"] is None
+
+
+def test_a_port_whose_carrier_is_down_is_never_chosen():
+    # The old picker ignored link state: the only port in the subnet was taken with its cable out.
+    down = nic("eth1", "10.0.0.15", speed=10000, carrier=False)
+    chosen = netinfo.choose_cluster_interface([nic("eth0", "10.0.0.5", speed=1000), down], SUBNET)["interface"]
+    assert chosen["name"] == "eth0"
+    assert "passed over eth1 (physical, 10000 Mb/s) with its carrier down" in chosen["reason"]
+    alone = netinfo.choose_cluster_interface([down], SUBNET)
+    assert alone["interface"] is None
+    assert "eth1 10.0.0.15 (carrier down)" in alone["error"]
+    assert netinfo.choose_cluster_interface([down], SUBNET, "=eth1")["interface"] is None
+
+
+def test_the_interface_rule_in_its_short_forms():
+    interfaces = [
+        nic("eth0", "10.0.0.5", speed=10000),
+        nic("eth1", "10.0.0.6", speed=1000),
+        nic("eth10", "192.168.5.6", speed=1000),
+        nic("docker0", "10.0.0.1", kind="docker"),
+    ]
+
+    def name(rule):
+        return (netinfo.choose_cluster_interface(interfaces, SUBNET, rule)["interface"] or {}).get("name")
+
+    assert name(None) == "eth0"
+    assert name("eth1") == "eth1"  # a prefix: eth1 and eth10; the one in the subnet wins
+    assert name("=eth10") == "eth10"  # exact
+    assert name("^docker,eth0") == "eth1"  # exclusion of prefixes
+    assert name("^=eth0") == "eth1"  # exact exclusion: "^=eth0" is not the prefix "=eth0"
+    assert name("^=eth0,eth1") == "eth10"
+    assert name("=eth") is None
+    chosen = netinfo.choose_cluster_interface(interfaces, SUBNET, "=eth10")["interface"]
+    assert chosen["reason"].startswith("set by inventory (budgetgpu_cluster_interface==eth10), 192.168.5.6")
+    assert "outside the cluster subnet 10.0.0.0/24" in chosen["warnings"][0]
+    error = netinfo.choose_cluster_interface(interfaces, SUBNET, "enp")["error"]
+    assert "inventory asks for interface 'enp' (budgetgpu_cluster_interface)" in error
+    assert "fix budgetgpu_cluster_interface" in error
+
+
+def test_probe_net_passes_the_rule_and_reports_it(tmp_path):
+    for index, name in enumerate(("eth0", "eth1"), start=2):
+        make_iface(tmp_path, name, device=f"devices/pci0000:00/0000:00:0{index}.0", speed="10000", carrier="1",
+                   type="1", operstate="up", ifindex=str(index), iflink=str(index))  # fmt: skip
+    addresses = {
+        "eth0": [{"family": "ipv4", "address": "10.0.0.5", "prefixlen": 24}],
+        "eth1": [{"family": "ipv4", "address": "172.30.0.5", "prefixlen": 16}],
+    }
+    facts = netinfo.probe_net(str(tmp_path), addresses, SUBNET, "=eth1")
+    assert facts["interface_rule"] == "=eth1"
+    assert (facts["cluster_interface"]["name"], facts["cluster_interface"]["prefixlen"]) == ("eth1", 16)

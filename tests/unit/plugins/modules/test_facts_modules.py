@@ -119,6 +119,17 @@ def test_net_facts_finds_the_cluster_interface_with_ip_in_c_locale(monkeypatch, 
     assert any(iface["name"] == "lo" and iface["kind"] == "loopback" for iface in facts["interfaces"])
 
 
+def test_net_facts_applies_the_interface_rule(monkeypatch, capsys):
+    ip_json = json.dumps([{"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]}])
+    monkeypatch.setattr(net_facts.AnsibleModule, "run_command", lambda self, args, **kwargs: (0, ip_json, ""))
+    monkeypatch.setattr(net_facts.AnsibleModule, "get_bin_path", lambda self, name, *a, **k: "/usr/sbin/ip")
+    args = {"cluster_subnet": "127.0.0.0/8", "interface_rule": "^=lo", "_ansible_check_mode": True}
+    code, result = run(net_facts, args, capsys)
+    facts = result["ansible_facts"]["budgetgpu_net"]
+    assert code == 0 and facts["interface_rule"] == "^=lo" and facts["cluster_interface"] is None
+    assert "inventory asks for interface '^=lo' (budgetgpu_cluster_interface)" in facts["cluster_interface_error"]
+
+
 def test_net_facts_refuses_a_bad_subnet(capsys):
     code, result = run(net_facts, {"cluster_subnet": "10.0.0.300/24"}, capsys)
     assert code == 1 and "cluster_subnet '10.0.0.300/24' is not a network in CIDR form" in result["msg"]

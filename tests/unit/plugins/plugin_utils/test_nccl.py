@@ -1,4 +1,8 @@
-"""Unit tests for the NCCL network filters on fact-shaped dicts (budgetgpu_net, _gpus, _pcie)."""
+"""Unit tests for the NCCL network decisions on fact-shaped dicts (budgetgpu_net, _gpus, _pcie).
+
+budgetgpu_net's cluster_interface is filled in as net_facts does (netinfo.choose_cluster_interface),
+so that these tests go through the one address decision.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import json
 from typing import Any
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.filter import nccl
+from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import node_info
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import choose_cluster_interface
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import nccl
 
 SUBNET = "192.168.10.0/24"
 
@@ -30,14 +36,25 @@ def iface(
 
 
 def net(
-    *interfaces: dict[str, Any], infiniband: list[dict[str, Any]] | None = None, subnet: str | None = SUBNET
+    *interfaces: dict[str, Any],
+    infiniband: list[dict[str, Any]] | None = None,
+    subnet: str | None = SUBNET,
+    rule: str | None = None,
 ) -> dict[str, Any]:
+    chosen = choose_cluster_interface(list(interfaces), subnet, rule)
     return {
         "interfaces": list(interfaces),
         "infiniband": infiniband or [],
         "cluster_subnet": subnet,
-        "cluster_interface": None,
+        "interface_rule": rule,
+        "cluster_interface": chosen["interface"],
+        "cluster_interface_error": chosen["error"],
     }
+
+
+def with_rule(facts: dict[str, Any], rule: str) -> dict[str, Any]:
+    """The same node probed with budgetgpu_cluster_interface set to rule."""
+    return net(*facts["interfaces"], infiniband=facts["infiniband"], subnet=facts["cluster_subnet"], rule=rule)
 
 
 def ib_device(name: str = "mlx5_0", state: str = "ACTIVE", kind: str = "infiniband") -> dict[str, Any]:
@@ -177,7 +194,7 @@ class TestOverrides:
     FACTS = net(iface("eth0", "veth", "192.168.10.3", speed=10000), iface("eth1", "veth", "172.30.0.3", speed=10000))
 
     def test_inventory_interface_wins_over_the_probe(self) -> None:
-        decision = nccl.nccl_env(self.FACTS, interface="eth1")
+        decision = nccl.nccl_env(with_rule(self.FACTS, "eth1"))
         assert decision["interface"] == "eth1"
         assert decision["address"] == "172.30.0.3"
         assert decision["env"]["NCCL_SOCKET_IFNAME"] == "=eth1"
@@ -186,20 +203,23 @@ class TestOverrides:
         assert "outside the cluster subnet" in decision["warnings"][0]
 
     def test_exact_form_override_resolves_the_same(self) -> None:
-        assert nccl.nccl_env(self.FACTS, interface="=eth1")["interface"] == "eth1"
+        assert nccl.nccl_env(with_rule(self.FACTS, "=eth1"))["interface"] == "eth1"
 
     def test_exact_exclusion_leaves_out_that_interface_alone(self) -> None:
         # NCCL's "^=eth0": not eth0, exactly. Read as the prefix "=eth0" it excluded nothing.
         facts = net(iface("eth0", "veth", "192.168.10.3"), iface("eth01", "veth", "172.30.0.3"))
-        assert nccl.nccl_env(facts, interface="^=eth0")["interface"] == "eth01"
-        assert nccl.nccl_env(facts, interface="^eth0")["errors"]  # the prefix form leaves out both
+        assert nccl.nccl_env(with_rule(facts, "^=eth0"))["interface"] == "eth01"
+        assert nccl.nccl_env(with_rule(facts, "^eth0"))["errors"]  # the prefix form leaves out both
 
-    def test_env_override_of_ifname_moves_the_address_too(self) -> None:
+    def test_env_override_of_ifname_is_refused_naming_the_cluster_interface_rule(self) -> None:
+        # It would move NCCL off the address the rendezvous and the firewall use: one rule, one place.
         decision = nccl.nccl_env(self.FACTS, overrides={"NCCL_SOCKET_IFNAME": "=eth1"})
-        assert decision["address"] == "172.30.0.3"
+        assert decision["env"] == {}
+        assert "expected the interface rule in budgetgpu_cluster_interface" in decision["errors"][0]
+        assert "found NCCL_SOCKET_IFNAME==eth1" in decision["errors"][0]
 
     def test_override_to_a_missing_interface_is_an_error(self) -> None:
-        decision = nccl.nccl_env(self.FACTS, interface="enp9s0")
+        decision = nccl.nccl_env(with_rule(self.FACTS, "enp9s0"))
         assert "no interface with an address matches it" in decision["errors"][0]
 
     def test_env_overrides_win_and_none_removes(self) -> None:
@@ -294,6 +314,70 @@ class TestP2P:
         assert decision["disable"] is True
         assert "GeForce RTX 3090 behind PCIe switch" in decision["reason"]
 
+    def test_one_nvlink_pair_among_four_geforce_cards_keeps_p2p_on_nvlink(self) -> None:
+        # Before, the two unbridged cards turned P2P off for all four (NCCL_P2P_DISABLE=1).
+        facts = gpus(*["GeForce RTX 3090"] * 4)
+        for gpu, links in zip(facts["gpus"], (4, 4, "unsupported", 0), strict=True):
+            gpu["nvlinks_active"] = links
+        decision = nccl.decide_p2p(facts, pcie(4))
+        assert decision["disable"] is False and decision["level"] == "NVL"
+        assert decision["reason"] == (
+            "2 of 4 GPUs peer over NVLink, the others not over PCIe: "
+            "GeForce RTX 3090 across PCIe root ports: GeForce cards have no PCIe P2P"
+        )
+        env = nccl.nccl_env(net(self.ETH), facts, pcie(4))
+        assert env["env"]["NCCL_P2P_LEVEL"] == "NVL" and env["env"]["NCCL_P2P_DISABLE"] == "0"
+        assert env["p2p_level"] == "NVL"
+        assert "P2P over NVLink only: 2 of 4 GPUs" in env["summary"]
+
+    def test_one_bridged_gpu_alone_is_no_pair_and_pcie_p2p_on_stays_on(self) -> None:
+        facts = gpus(*["GeForce RTX 3090"] * 4)
+        facts["gpus"][0]["nvlinks_active"] = 2
+        assert nccl.decide_p2p(facts, pcie(4))["disable"] is True
+        datacenter = gpus("RTX A6000", "RTX A6000", "RTX A6000")
+        datacenter["gpus"][0]["nvlinks_active"] = datacenter["gpus"][1]["nvlinks_active"] = 4
+        assert nccl.decide_p2p(datacenter, pcie(3, names=["RTX A6000"] * 3)) == {
+            "disable": False,
+            "reason": "3x RTX A6000 peer over PCIe",
+        }
+
+
+class TestOneAddressDecision:
+    """nccl_env takes the interface net_facts chose (budgetgpu_net.cluster_interface), the same one
+    the rendezvous endpoint and --local-addr read: it no longer ranks interfaces of its own."""
+
+    def test_1g_and_10g_in_the_subnet_nccl_and_rendezvous_both_take_the_10g(self) -> None:
+        facts = net(
+            iface("eth0", "physical", "192.168.10.5", speed=1000),
+            iface("eth1", "physical", "192.168.10.15", speed=10000),
+        )
+        decision = nccl.nccl_env(facts)
+        rendezvous = node_info({"ansible_facts": {"budgetgpu_net": facts}}, "node1")["cluster_address"]
+        assert decision["address"] == rendezvous == "192.168.10.15"
+        assert decision["env"]["NCCL_SOCKET_IFNAME"] == "=eth1"
+
+    def test_nccl_follows_the_probes_choice_even_where_it_would_rank_otherwise(self) -> None:
+        facts = net(
+            iface("eth0", "physical", "192.168.10.5", speed=10000),
+            iface("eth1", "physical", "192.168.10.15", speed=1000),
+        )
+        facts["cluster_interface"] = {
+            **facts["cluster_interface"],
+            "name": "eth1",
+            "address": "192.168.10.15",
+            "reason": "r",
+        }
+        decision = nccl.nccl_env(facts)
+        assert (decision["interface"], decision["address"]) == ("eth1", "192.168.10.15")
+        assert decision["reasons"][0] == "interface eth1: r"
+
+    def test_without_a_cluster_interface_the_probes_error_is_the_answer(self) -> None:
+        facts = net(iface("eth0", "physical", "10.0.0.5", speed=1000, carrier=False))
+        decision = nccl.nccl_env(facts)
+        assert decision["env"] == {} and decision["errors"] == [facts["cluster_interface_error"]]
+        old_facts = {"interfaces": facts["interfaces"], "infiniband": []}
+        assert "run the probe role" in nccl.nccl_env(old_facts)["errors"][0]
+
 
 class TestEnvFile:
     def test_renders_sorted_plain_lines(self) -> None:
@@ -387,19 +471,51 @@ class TestReachability:
         "node3": {},
     }
 
+    GROUPS = {"gpu_nodes": ["node1", "node2"], "pair": ["node2", "node1"]}
+
+    @staticmethod
+    def job(name: str = "main", nodes: str = "gpu_nodes", port: int = 29500, **more: Any) -> dict[str, Any]:
+        return {"name": name, "nodes": nodes, "master": None, "master_addr": None, "port": port, **more}
+
     def test_master_listens_on_rendezvous_ports_and_everyone_connects(self) -> None:
-        plan = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node1", "node1", [29500], 29499)
+        jobs = [self.job()]
+        plan = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node1", jobs, self.GROUPS, 29499)
         assert plan == {
             "listen": ["10.0.0.2:29499:1", "10.0.0.2:29500:2"],
-            "connect": ["node1 rendezvous=10.0.0.2:29500", "node2=10.0.0.3:29499"],
+            "connect": ["node1 rendezvous of job main=10.0.0.2:29500", "node2=10.0.0.3:29499"],
             "errors": [],
         }
-        peer = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node2", "node1", [29500], 29499)
+        peer = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node2", jobs, self.GROUPS, 29499)
         assert peer["listen"] == ["10.0.0.3:29499:1"]
-        assert peer["connect"] == ["node1 rendezvous=10.0.0.2:29500", "node1=10.0.0.2:29499"]
+        assert peer["connect"] == ["node1 rendezvous of job main=10.0.0.2:29500", "node1=10.0.0.2:29499"]
+
+    def test_each_job_is_dialled_at_its_own_master_and_port(self) -> None:
+        # Before, every node dialled the group's first member (node1) on every rendezvous port: a job
+        # whose master is node2 (first of its group, or named) was never proved where its units dial.
+        jobs = [self.job(), self.job("second", nodes="pair", port=29600), self.job("named", port=29700, master="node2")]
+        members = ["node1", "node2"]
+        master2 = nccl.nccl_reachability_plan(members, self.HOSTVARS, "node2", jobs, self.GROUPS, 29499)
+        assert master2["listen"] == ["10.0.0.3:29499:1", "10.0.0.3:29600:2", "10.0.0.3:29700:2"]
+        node1 = nccl.nccl_reachability_plan(members, self.HOSTVARS, "node1", jobs, self.GROUPS, 29499)
+        assert node1["listen"] == ["10.0.0.2:29499:1", "10.0.0.2:29500:2"]
+        assert node1["connect"] == [
+            "node1 rendezvous of job main=10.0.0.2:29500",
+            "node2 rendezvous of job second=10.0.0.3:29600",
+            "node2 rendezvous of job named=10.0.0.3:29700",
+            "node2=10.0.0.3:29499",
+        ]
+
+    def test_master_addr_is_dialled_where_the_job_sets_it(self) -> None:
+        jobs = [self.job(master_addr="10.9.9.9")]
+        plan = nccl.nccl_reachability_plan(["node1", "node2"], self.HOSTVARS, "node2", jobs, self.GROUPS, 29499)
+        assert plan["connect"][0] == "node1 rendezvous of job main=10.9.9.9:29500"
+
+    def test_a_job_whose_master_is_not_in_this_run_is_not_planned(self) -> None:
+        plan = nccl.nccl_reachability_plan(["node2"], self.HOSTVARS, "node2", [self.job()], self.GROUPS, 29499)
+        assert plan == {"listen": ["10.0.0.3:29499:0"], "connect": [], "errors": []}
 
     def test_a_member_without_decision_is_named(self) -> None:
-        plan = nccl.nccl_reachability_plan(["node1", "node3"], self.HOSTVARS, "node1", "node1", [29500], 29499)
+        plan = nccl.nccl_reachability_plan(["node1", "node3"], self.HOSTVARS, "node1", [self.job()], self.GROUPS, 29499)
         assert plan["errors"] == ["node3: no NCCL decision (the host failed earlier or is unreachable)"]
 
     def test_unreached_message_names_node_interface_and_target(self) -> None:
