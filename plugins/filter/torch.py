@@ -9,6 +9,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors im
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (  # noqa: F401  the module's old names
     KNOWN_VARIANTS,
     driver_cuda,
+    nccl_package,
     parse_cuda_version,
     variant_cuda,
 )
@@ -17,7 +18,6 @@ torch_variant = as_filter(torch_build.torch_variant)
 torch_variant_problem = as_filter(torch_build.torch_variant_problem)
 torch_requirement = as_filter(torch_build.torch_requirement)
 torch_pip_index = as_filter(torch_build.torch_pip_index)
-nccl_package_version = as_filter(torch_build.nccl_package_version)
 
 
 class FilterModule:
@@ -30,5 +30,5 @@ class FilterModule:
             "torch_requirement": torch_requirement,
             "torch_pip_index": torch_pip_index,
             "torch_driver_cuda": driver_cuda,
-            "nccl_package_version": nccl_package_version,
+            "nccl_package": nccl_package,
         }

@@ -130,26 +130,37 @@ def nccl_cuda_major(variant: str, cuda_version: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def nccl_package_version(
+def nccl_package(
     requested: Any, versions_by_major: Any, variant: str, cuda_version: Any, host: str = "this host"
-) -> str:
-    """Return NVIDIA's libnccl2 package version to install: requested ("2.21.5-1+cuda12.4"), or for
-    "auto" the entry of versions_by_major for the CUDA major of the torch build (nccl_cuda_major).
-    A requested version built for another CUDA major than torch's is refused."""
+) -> dict[str, Any]:
+    """Return {"version", "cuda_major", "problem"}: NVIDIA's libnccl2 package version to install.
+
+    requested is an exact version ("2.21.5-1+cuda12.4") or "auto": the entry of versions_by_major
+    for the CUDA major of the torch build (nccl_cuda_major). A requested version built for another
+    CUDA major than torch's is a problem (version None, problem naming host and variable)."""
     major = nccl_cuda_major(variant, cuda_version)
-    why = f"torch build {variant}" if variant_cuda(variant) else f"torch build cpu, cuda_version {cuda_version}"
+    why = (
+        f"torch gets {variant}, built for CUDA {major}"
+        if variant_cuda(variant)
+        else f"cuda_version is {cuda_version} (torch gets the CPU build)"
+    )
+    result: dict[str, Any] = {"version": None, "cuda_major": major, "problem": ""}
     if str(requested) == "auto":
         versions = {str(key): value for key, value in (versions_by_major or {}).items()}
-        if str(major) not in versions:
-            raise ValueError(
+        if str(major) in versions:
+            result["version"] = str(versions[str(major)])
+        else:
+            result["problem"] = (
                 f"{host}: cuda_nccl_versions has no entry for CUDA {major} ({why}): expected one of "
                 f"{', '.join(sorted(versions)) or 'nothing'}; add it or set cuda_nccl_version"
             )
-        return str(versions[str(major)])
+        return result
     match = re.search(r"\+cuda(\d+)", str(requested))
-    if not match or int(match.group(1)) != major:
-        raise ValueError(
-            f"{host}: cuda_nccl_version is '{requested}' but the node's NCCL must be built for CUDA {major} "
-            f"({why}): expected auto or a version such as 2.21.5-1+cuda{major}.x"
+    if match and int(match.group(1)) == major:
+        result["version"] = str(requested)
+    else:
+        result["problem"] = (
+            f"{host}: cuda_nccl_version is '{requested}' but {why}: expected auto or an NCCL package "
+            f"built for CUDA {major} (+cuda{major}.x)"
         )
-    return str(requested)
+    return result

@@ -106,7 +106,7 @@ def test_filters_are_registered():
         "torch_requirement",
         "torch_pip_index",
         "torch_driver_cuda",
-        "nccl_package_version",
+        "nccl_package",
     }
 
 

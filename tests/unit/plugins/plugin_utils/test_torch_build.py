@@ -9,7 +9,7 @@ import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (
     driver_cuda,
     nccl_cuda_major,
-    nccl_package_version,
+    nccl_package,
     torch_variant,
 )
 
@@ -23,27 +23,29 @@ def test_a_580_driver_gets_cu130_and_nccl_for_cuda_13():
     variant = torch_variant("auto", driver_cuda(DRIVER_580), PUBLISHED)
     assert variant == "cu130"
     assert nccl_cuda_major(variant, "12.4") == 13
-    assert nccl_package_version("auto", NCCL, variant, "12.4") == "2.27.7-1+cuda13.0"
+    assert nccl_package("auto", NCCL, variant, "12.4") == {"version": "2.27.7-1+cuda13.0", "cuda_major": 13, "problem": ""}
 
 
 def test_a_580_driver_refuses_nccl_for_cuda_12():
-    with pytest.raises(ValueError, match=r"node1: cuda_nccl_version is '2.21.5-1\+cuda12.4'.*CUDA 13.*cu130"):
-        nccl_package_version("2.21.5-1+cuda12.4", NCCL, "cu130", "12.4", "node1")
+    answer = nccl_package("2.21.5-1+cuda12.4", NCCL, "cu130", "12.4", "node1")
+    assert answer["version"] is None
+    assert answer["problem"].startswith("node1: cuda_nccl_version is '2.21.5-1+cuda12.4'")
+    assert "but torch gets cu130, built for CUDA 13" in answer["problem"]
 
 
 def test_the_cpu_build_follows_cuda_version():
-    assert nccl_package_version("auto", NCCL, "cpu", "12.4") == "2.21.5-1+cuda12.4"
-    assert nccl_package_version("2.21.5-1+cuda12.4", NCCL, "cpu", "12.4") == "2.21.5-1+cuda12.4"
+    assert nccl_package("auto", NCCL, "cpu", "12.4")["version"] == "2.21.5-1+cuda12.4"
+    assert nccl_package("2.21.5-1+cuda12.4", NCCL, "cpu", "12.4")["version"] == "2.21.5-1+cuda12.4"
 
 
 def test_a_550_driver_keeps_cuda_12():
     variant = torch_variant("auto", "12.4", PUBLISHED)
-    assert nccl_package_version("auto", NCCL, variant, "12.4") == "2.21.5-1+cuda12.4"
+    assert nccl_package("auto", NCCL, variant, "12.4")["version"] == "2.21.5-1+cuda12.4"
 
 
 def test_auto_without_an_entry_names_the_variable():
-    with pytest.raises(ValueError, match="node1: cuda_nccl_versions has no entry for CUDA 13"):
-        nccl_package_version("auto", {"12": "x"}, "cu130", "12.4", "node1")
+    problem = nccl_package("auto", {"12": "x"}, "cu130", "12.4", "node1")["problem"]
+    assert problem.startswith("node1: cuda_nccl_versions has no entry for CUDA 13")
 
 
 def test_nccl_cuda_major_needs_a_resolved_variant():
