@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-REASON_NO_FACT = "budgetgpu_disruption_allowed is not set (the probe role did not run): nothing is interrupted without it"
+REASON_NO_FACT = (
+    "budgetgpu_disruption_allowed is not set (the probe role did not run): nothing is interrupted without it"
+)
 REASON_JOB_RUNS = "a job runs and safe mode is on"
 REASON_ALLOWED = "no job runs, or safe mode is off"
 

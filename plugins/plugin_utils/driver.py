@@ -151,6 +151,68 @@ def gpu_generations(pcie_gpus: Any = None, nvml_gpus: Any = None) -> list[dict[s
     return list(by_bus.values())
 
 
+def _flavor_names(items: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{g['bus_id']} ({g['name'] or g['arch']}, {g['arch']})" for g in items)
+
+
+def module_flavor_decision(
+    requested: str,
+    pcie_gpus: Any = None,
+    nvml_gpus: Any = None,
+    branch: Any = None,
+    host: str = "this host",
+) -> dict[str, str]:
+    """Return {"flavor": "open"|"proprietary"|"", "problem": ""|why}: the requested flavor, or for
+    "auto" what the GPUs need. A problem (an unknown value, a flavor a GPU cannot run, GPUs that
+    need both) names the host and nvidia_driver_kernel_modules.
+
+    auto: any pre-Turing GPU (GTX 1080 Ti, V100) -> proprietary; any Blackwell or newer ->
+    open; all Turing..Ada/Hopper -> open; no GPU seen -> open from branch 560 (NVIDIA's own
+    default), proprietary before.
+    """
+    if requested not in ("auto", *FLAVORS):
+        return {
+            "flavor": "",
+            "problem": f"{host}: nvidia_driver_kernel_modules is '{requested}': expected auto, open or proprietary",
+        }
+    gpus = gpu_generations(pcie_gpus, nvml_gpus)
+    old = [g for g in gpus if g["arch"] in _PRE_TURING or g["arch"] == "pre-turing"]
+    new = [g for g in gpus if g["arch"] in _OPEN_ONLY]
+    problem = ""
+    if old and new:
+        problem = (
+            f"{host}: GPUs {_flavor_names(old)} need the proprietary kernel modules and {_flavor_names(new)} the open "
+            "ones: one driver cannot serve both, move one kind of GPU to another node"
+        )
+    elif requested == "open" and old:
+        problem = (
+            f"{host}: nvidia_driver_kernel_modules is 'open' but {_flavor_names(old)} predates Turing and runs only "
+            "the proprietary modules: set nvidia_driver_kernel_modules to proprietary or auto"
+        )
+    elif requested == "proprietary" and new:
+        problem = (
+            f"{host}: nvidia_driver_kernel_modules is 'proprietary' but {_flavor_names(new)} runs only the open "
+            "modules: set nvidia_driver_kernel_modules to open or auto"
+        )
+    if problem:
+        return {"flavor": "", "problem": problem}
+    return {"flavor": _auto_flavor(requested, bool(old), bool(gpus), branch), "problem": ""}
+
+
+def _auto_flavor(requested: str, any_old: bool, any_gpu: bool, branch: Any) -> str:
+    if requested != "auto":
+        return requested
+    if any_old:
+        return "proprietary"
+    if any_gpu:
+        return "open"
+    try:
+        number = int(branch)
+    except (TypeError, ValueError):
+        number = 0
+    return "open" if number >= OPEN_DEFAULT_BRANCH else "proprietary"
+
+
 def nvidia_module_flavor(
     requested: str,
     pcie_gpus: Any = None,
@@ -158,49 +220,11 @@ def nvidia_module_flavor(
     branch: Any = None,
     host: str = "this host",
 ) -> str:
-    """Return "open" or "proprietary": the requested flavor, or for "auto" what the GPUs need.
-
-    auto: any pre-Turing GPU (GTX 1080 Ti, V100) -> proprietary; any Blackwell or newer ->
-    open; all Turing..Ada/Hopper -> open; no GPU seen -> open from branch 560 (NVIDIA's own
-    default), proprietary before. An explicit flavor that a GPU cannot run is refused.
-    """
-    if requested not in ("auto", *FLAVORS):
-        raise ValueError(
-            f"{host}: nvidia_driver_kernel_modules is '{requested}': expected auto, open or proprietary"
-        )
-    gpus = gpu_generations(pcie_gpus, nvml_gpus)
-    old = [g for g in gpus if g["arch"] in _PRE_TURING or g["arch"] == "pre-turing"]
-    new = [g for g in gpus if g["arch"] in _OPEN_ONLY]
-
-    def names(items: list[dict[str, Any]]) -> str:
-        return ", ".join(f"{g['bus_id']} ({g['name'] or g['arch']}, {g['arch']})" for g in items)
-
-    if old and new:
-        raise ValueError(
-            f"{host}: GPUs {names(old)} need the proprietary kernel modules and {names(new)} the open ones: "
-            "one driver cannot serve both, move one kind of GPU to another node"
-        )
-    if requested == "open" and old:
-        raise ValueError(
-            f"{host}: nvidia_driver_kernel_modules is 'open' but {names(old)} predates Turing and runs only "
-            "the proprietary modules: set nvidia_driver_kernel_modules to proprietary or auto"
-        )
-    if requested == "proprietary" and new:
-        raise ValueError(
-            f"{host}: nvidia_driver_kernel_modules is 'proprietary' but {names(new)} runs only the open "
-            "modules: set nvidia_driver_kernel_modules to open or auto"
-        )
-    if requested != "auto":
-        return requested
-    if old:
-        return "proprietary"
-    if gpus:
-        return "open"
-    try:
-        number = int(branch)
-    except (TypeError, ValueError):
-        number = 0
-    return "open" if number >= OPEN_DEFAULT_BRANCH else "proprietary"
+    """Return "open" or "proprietary" (module_flavor_decision); a problem raises ValueError."""
+    decision = module_flavor_decision(requested, pcie_gpus, nvml_gpus, branch, host)
+    if decision["problem"]:
+        raise ValueError(decision["problem"])
+    return decision["flavor"]
 
 
 def deb_upstream_version(version: Any) -> str | None:
@@ -268,3 +292,25 @@ def nccl_version_tuple_text(value: Any) -> str | None:
             return f"{value // 10000}.{value % 10000 // 100}.{value % 100}"
         return f"{value // 1000}.{value % 1000 // 100}.{value % 100}"
     return str(value)
+
+
+_OPTION_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+_MODULE_NAME = re.compile(r"^[a-z0-9_]+$")
+
+
+def module_options_problems(options: Any, host: str = "this host") -> list[str]:
+    """Return one problem per malformed nvidia_driver_module_options entry (module name -> {option: value})."""
+    if not isinstance(options, dict):
+        return [f"{host}: nvidia_driver_module_options is {type(options).__name__}, expected a mapping"]
+    problems = []
+    for module, values in options.items():
+        if (
+            not _MODULE_NAME.match(str(module))
+            or not isinstance(values, dict)
+            or not all(_OPTION_NAME.match(str(name)) for name in values)
+        ):
+            problems.append(
+                f"{host}: nvidia_driver_module_options['{module}'] must map option names to values, "
+                f"e.g. nvidia: {{NVreg_PreserveVideoMemoryAllocations: 1}}; found {values}"
+            )
+    return problems

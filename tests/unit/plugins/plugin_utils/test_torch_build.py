@@ -23,7 +23,11 @@ def test_a_580_driver_gets_cu130_and_nccl_for_cuda_13():
     variant = torch_variant("auto", driver_cuda(DRIVER_580), PUBLISHED)
     assert variant == "cu130"
     assert nccl_cuda_major(variant, "12.4") == 13
-    assert nccl_package("auto", NCCL, variant, "12.4") == {"version": "2.27.7-1+cuda13.0", "cuda_major": 13, "problem": ""}
+    assert nccl_package("auto", NCCL, variant, "12.4") == {
+        "version": "2.27.7-1+cuda13.0",
+        "cuda_major": 13,
+        "problem": "",
+    }
 
 
 def test_a_580_driver_refuses_nccl_for_cuda_12():
