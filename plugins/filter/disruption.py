@@ -8,6 +8,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.disruption impor
     disruption_allowed,
     job_action,
     pending_add,
+    pending_extend,
     reboot_decision,
     restart_decision,
 )
@@ -23,4 +24,5 @@ class FilterModule:
             "disruption_reboot": reboot_decision,
             "disruption_job_action": job_action,
             "pending_add": pending_add,
+            "pending_extend": pending_extend,
         }

@@ -115,3 +115,12 @@ def pending_add(pending: Any, role: str, what: str, why: str = "") -> list[str]:
     items = [str(item) for item in (pending or [])]
     item = f"{role}: {what}" + (f" ({why})" if why else "")
     return items if item in items else [*items, item]
+
+
+def pending_extend(pending: Any, role: str, entries: Any) -> list[str]:
+    """Return the budgetgpu_pending list with pending_add applied to each [what, why] of entries."""
+    items = [str(item) for item in (pending or [])]
+    for entry in entries or []:
+        what, why = (entry, "") if isinstance(entry, str) else (entry[0], entry[1] if len(entry) > 1 else "")
+        items = pending_add(items, role, what, why)
+    return items

@@ -10,6 +10,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.disruption impor
     job_action,
     may_disrupt,
     pending_add,
+    pending_extend,
     reboot_decision,
     restart_decision,
 )
@@ -91,3 +92,8 @@ def test_pending_add_writes_one_format_once():
     assert items == ["container_runtime: Docker daemon restart pending (daemon.json changed)"]
     assert pending_add(items, "container_runtime", "Docker daemon restart pending", "daemon.json changed") == items
     assert pending_add(items, "nvidia_driver", "reboot pending")[-1] == "nvidia_driver: reboot pending"
+
+
+def test_pending_extend_adds_each_entry_in_the_same_format():
+    items = pending_extend(["nvidia_driver: reboot pending"], "torchrun", [["restart pending: job a", "why a"], "x"])
+    assert items == ["nvidia_driver: reboot pending", "torchrun: restart pending: job a (why a)", "torchrun: x"]
