@@ -195,7 +195,7 @@ TASK_PLAY = """\
 )
 def test_installed_branches_come_from_the_driver_packages_only(tmp_path, release, branches):
     # _nvidia_driver_installed_branches is a decision in vars/main.yml (loaded below): no task computes it.
-    task = {"name": "Read the installed branches", "ansible.builtin.debug": {"var": "_nvidia_driver_installed_branches"}}
+    task = {"name": "Read the branches", "ansible.builtin.debug": {"var": "_nvidia_driver_installed_branches"}}
     play = TASK_PLAY.format(
         role="nvidia_driver",
         vars_file=REPO / "roles" / "nvidia_driver" / "vars" / "main.yml",

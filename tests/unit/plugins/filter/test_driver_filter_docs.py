@@ -9,7 +9,7 @@ import yaml
 from ansible_collections.budgetgpu.cluster.plugins.filter import disruption, nvidia, torch
 
 FILTERS = Path(__file__).resolve().parents[4] / "plugins" / "filter"
-NAMES = sorted({*nvidia.FilterModule().filters(), *torch.FilterModule().filters(), *disruption.FilterModule().filters()})
+NAMES = sorted({name for module in (nvidia, torch, disruption) for name in module.FilterModule().filters()})
 
 
 @pytest.mark.parametrize("name", NAMES)
