@@ -105,6 +105,8 @@ def test_filters_are_registered():
         "torch_variant_problem",
         "torch_requirement",
         "torch_pip_index",
+        "torch_driver_cuda",
+        "nccl_package",
     }
 
 

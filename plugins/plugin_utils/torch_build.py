@@ -1,0 +1,166 @@
+"""The torch build domain: which PyTorch wheel (CPU or a CUDA variant) fits a node's driver, how
+pip must be told to fetch exactly that build, and which CUDA major the node's NCCL package
+follows (the one of that build). python_env and cuda both read these decisions.
+
+Pure functions, no Ansible: bad input raises ValueError (plugins/filter/torch.py turns it into
+AnsibleFilterError).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# Every value python_env_torch_variant accepts; meta/argument_specs.yml lists the same
+# choices (a unit test keeps the two equal).
+KNOWN_VARIANTS: tuple[str, ...] = ("auto", "cpu", "cu118", "cu121", "cu124", "cu126", "cu128", "cu129", "cu130")
+
+_VARIANT = re.compile(r"^cu(\d+)(\d)$")
+_CUDA = re.compile(r"^\s*(\d+)\.(\d+)")
+
+
+def variant_cuda(variant: str) -> tuple[int, int] | None:
+    """Return the CUDA (major, minor) a wheel variant was built for: "cu128" -> (12, 8); "cpu" -> None."""
+    match = _VARIANT.match(variant)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def parse_cuda_version(version: Any) -> tuple[int, int] | None:
+    """Return NVML's CUDA driver version ("13.0", 12.4) as (major, minor); None when unknown."""
+    if version is None:
+        return None
+    match = _CUDA.match(str(version))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _check_known(variant: str) -> None:
+    if variant not in KNOWN_VARIANTS:
+        raise ValueError(f"torch variant '{variant}' is unknown: expected one of {', '.join(KNOWN_VARIANTS)}")
+
+
+def torch_variant(requested: str, driver_cuda: Any = None, candidates: list[str] | None = None) -> str:
+    """Return the wheel variant to install.
+
+    An explicit variant ("cpu", "cu128") is returned as it is. "auto" picks, among the CUDA
+    variants published for the pinned torch version (candidates), the newest one the driver
+    runs: built for a CUDA version not above the driver's. When every candidate is newer than
+    the driver but shares its major version, the oldest such one is taken (CUDA's minor
+    version compatibility). No driver, or a driver older than every candidate: "cpu".
+    """
+    _check_known(requested)
+    if requested != "auto":
+        return requested
+    driver = parse_cuda_version(driver_cuda)
+    if driver is None:
+        return "cpu"
+    cuda_variants = []
+    for candidate in candidates if candidates is not None else KNOWN_VARIANTS:
+        _check_known(candidate)
+        built_for = variant_cuda(candidate)
+        if built_for is not None:
+            cuda_variants.append((built_for, candidate))
+    cuda_variants.sort()
+    fitting = [name for built_for, name in cuda_variants if built_for <= driver]
+    if fitting:
+        return fitting[-1]
+    same_major = [name for built_for, name in cuda_variants if built_for[0] == driver[0]]
+    return same_major[0] if same_major else "cpu"
+
+
+def torch_variant_problem(variant: str, driver_cuda: Any = None) -> str:
+    """Return why a wheel variant cannot run on a driver, or "" when it can (or no driver is known).
+
+    A CUDA build runs on a driver of the same major CUDA version or newer (minor version
+    compatibility covers a newer minor within one major).
+    """
+    _check_known(variant)
+    built_for = variant_cuda(variant)
+    driver = parse_cuda_version(driver_cuda)
+    if built_for is None or driver is None or built_for[0] <= driver[0]:
+        return ""
+    return (
+        f"torch variant {variant} needs a driver for CUDA {built_for[0]}.x or newer, "
+        f"the driver supports CUDA {driver[0]}.{driver[1]}"
+    )
+
+
+def torch_requirement(version: str, variant: str) -> str:
+    """Return the exact pip requirement for one build: ("2.13.0", "cu128") -> "torch==2.13.0+cu128"."""
+    _check_known(variant)
+    if variant == "auto":
+        raise ValueError("torch_requirement needs a resolved variant, not 'auto': apply torch_variant")
+    base = str(version).split("+", 1)[0].strip()
+    if not re.match(r"^\d+(\.\d+)*([a-z]+\d*)?$", base):
+        raise ValueError(f"torch version '{version}' is not an exact version such as 2.13.0")
+    return f"torch=={base}+{variant}"
+
+
+def torch_pip_index(variant: str, index_base: str = "https://download.pytorch.org/whl") -> str:
+    """Return the PyTorch package index that serves one variant's wheels."""
+    _check_known(variant)
+    return f"{index_base.rstrip('/')}/{variant}"
+
+
+def driver_cuda(gpus_fact: Any, simulated: Any = False) -> str | None:
+    """Return the CUDA version the node's loaded driver runs, from the probe's budgetgpu_gpus fact;
+    None without a loaded driver. Simulated GPUs have a "driver" but no CUDA: their nodes train on CPU."""
+    if not isinstance(gpus_fact, dict) or _truthy(simulated):
+        return None
+    driver = gpus_fact.get("driver") or {}
+    if not driver.get("loaded"):
+        return None
+    version = driver.get("cuda_driver_version")
+    return None if version in (None, "") else str(version)
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("true", "yes", "1", "on")
+
+
+def nccl_cuda_major(variant: str, cuda_version: Any) -> int | None:
+    """Return the CUDA major the node's NCCL package must be built for: the one of the torch build
+    the venv gets (variant, as torch_variant resolved it), or cuda_version's for the CPU build."""
+    _check_known(variant)
+    if variant == "auto":
+        raise ValueError("nccl_cuda_major needs a resolved variant, not 'auto': apply torch_variant")
+    built_for = variant_cuda(variant)
+    if built_for is not None:
+        return built_for[0]
+    match = re.match(r"^\s*(\d+)", str(cuda_version if cuda_version is not None else ""))
+    return int(match.group(1)) if match else None
+
+
+def nccl_package(
+    requested: Any, versions_by_major: Any, variant: str, cuda_version: Any, host: str = "this host"
+) -> dict[str, Any]:
+    """Return {"version", "cuda_major", "problem"}: NVIDIA's libnccl2 package version to install.
+
+    requested is an exact version ("2.21.5-1+cuda12.4") or "auto": the entry of versions_by_major
+    for the CUDA major of the torch build (nccl_cuda_major). A requested version built for another
+    CUDA major than torch's is a problem (version None, problem naming host and variable)."""
+    major = nccl_cuda_major(variant, cuda_version)
+    why = (
+        f"torch gets {variant}, built for CUDA {major}"
+        if variant_cuda(variant)
+        else f"cuda_version is {cuda_version} (torch gets the CPU build)"
+    )
+    result: dict[str, Any] = {"version": None, "cuda_major": major, "problem": ""}
+    if str(requested) == "auto":
+        versions = {str(key): value for key, value in (versions_by_major or {}).items()}
+        if str(major) in versions:
+            result["version"] = str(versions[str(major)])
+        else:
+            result["problem"] = (
+                f"{host}: cuda_nccl_versions has no entry for CUDA {major} ({why}): expected one of "
+                f"{', '.join(sorted(versions)) or 'nothing'}; add it or set cuda_nccl_version"
+            )
+        return result
+    match = re.search(r"\+cuda(\d+)", str(requested))
+    if match and int(match.group(1)) == major:
+        result["version"] = str(requested)
+    else:
+        result["problem"] = (
+            f"{host}: cuda_nccl_version is '{requested}' but {why}: expected auto or an NCCL package "
+            f"built for CUDA {major} (+cuda{major}.x)"
+        )
+    return result

@@ -1,0 +1,78 @@
+"""The NCCL package follows the CUDA major of the torch build the venv gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (
+    driver_cuda,
+    nccl_cuda_major,
+    nccl_package,
+    torch_variant,
+)
+
+REPO = Path(__file__).resolve().parents[4]
+PUBLISHED = ["cu126", "cu128", "cu130"]
+NCCL = {"12": "2.21.5-1+cuda12.4", "13": "2.27.7-1+cuda13.0"}
+DRIVER_580 = {"driver": {"loaded": True, "version": "580.95.05", "cuda_driver_version": "13.0"}}
+
+
+def test_a_580_driver_gets_cu130_and_nccl_for_cuda_13():
+    variant = torch_variant("auto", driver_cuda(DRIVER_580), PUBLISHED)
+    assert variant == "cu130"
+    assert nccl_cuda_major(variant, "12.4") == 13
+    assert nccl_package("auto", NCCL, variant, "12.4") == {
+        "version": "2.27.7-1+cuda13.0",
+        "cuda_major": 13,
+        "problem": "",
+    }
+
+
+def test_a_580_driver_refuses_nccl_for_cuda_12():
+    answer = nccl_package("2.21.5-1+cuda12.4", NCCL, "cu130", "12.4", "node1")
+    assert answer["version"] is None
+    assert answer["problem"].startswith("node1: cuda_nccl_version is '2.21.5-1+cuda12.4'")
+    assert "but torch gets cu130, built for CUDA 13" in answer["problem"]
+
+
+def test_the_cpu_build_follows_cuda_version():
+    assert nccl_package("auto", NCCL, "cpu", "12.4")["version"] == "2.21.5-1+cuda12.4"
+    assert nccl_package("2.21.5-1+cuda12.4", NCCL, "cpu", "12.4")["version"] == "2.21.5-1+cuda12.4"
+
+
+def test_a_550_driver_keeps_cuda_12():
+    variant = torch_variant("auto", "12.4", PUBLISHED)
+    assert nccl_package("auto", NCCL, variant, "12.4")["version"] == "2.21.5-1+cuda12.4"
+
+
+def test_auto_without_an_entry_names_the_variable():
+    problem = nccl_package("auto", {"12": "x"}, "cu130", "12.4", "node1")["problem"]
+    assert problem.startswith("node1: cuda_nccl_versions has no entry for CUDA 13")
+
+
+def test_nccl_cuda_major_needs_a_resolved_variant():
+    with pytest.raises(ValueError, match="resolved variant"):
+        nccl_cuda_major("auto", "12.4")
+
+
+@pytest.mark.parametrize(
+    ("fact", "simulated", "expected"),
+    [
+        (DRIVER_580, False, "13.0"),
+        (DRIVER_580, True, None),
+        ({"driver": {"loaded": False, "cuda_driver_version": "13.0"}}, False, None),
+        ({}, False, None),
+        (None, False, None),
+    ],
+)
+def test_driver_cuda(fact, simulated, expected):
+    assert driver_cuda(fact, simulated) == expected
+
+
+def test_cuda_role_reads_the_same_torch_candidates_as_python_env():
+    python_env = yaml.safe_load((REPO / "roles/python_env/defaults/main.yml").read_text())
+    cuda = (REPO / "roles/cuda/defaults/main.yml").read_text()
+    assert python_env["python_env_torch_cuda_variants"] == PUBLISHED
+    assert f"python_env_torch_cuda_variants | default({PUBLISHED!r})".replace('"', "'") in cuda.replace('"', "'")
