@@ -1,0 +1,162 @@
+# Copyright: budgetgpu maintainers
+# Apache License 2.0 (see galaxy.yml)
+"""The inventory's inputs against every role's argument spec, in one place (preflight's
+check_inputs action). A role's own argument spec runs only when the role runs on a node; the
+driver role is skipped on simulated nodes and the comm test's floor is read by comm_test.yml
+alone, so their bad values got through. Here every role's spec is checked for every host, and a
+prefixed name that no role knows is named with the nearest known one."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from pathlib import Path
+
+import yaml
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+
+# The prefixes that mark a variable as an input of this collection (roles, then the cluster's).
+ROLE_PREFIXES = (
+    "nvidia_driver_",
+    "cuda_",
+    "container_runtime_",
+    "python_env_",
+    "nccl_network_",
+    "torchrun_",
+    "probe_",
+    "preflight_",
+    "reprovision_",
+    "gpu_sim_",
+)
+CLUSTER_PREFIX = "budgetgpu_"
+
+# Cluster-wide inputs (CONTRIBUTING.md, "Cluster-wide inputs") and the other budgetgpu_ names an
+# inventory or a run's --extra-vars may set.
+CLUSTER_INPUTS = frozenset(
+    {
+        "budgetgpu_cluster_subnet",
+        "budgetgpu_cluster_interface",
+        "budgetgpu_user",
+        "budgetgpu_simulated",
+        "budgetgpu_sysfs_root",
+        "budgetgpu_safe_mode",
+        "budgetgpu_cuda_repo_url",
+        "budgetgpu_cuda_repo_key_url",
+    }
+)
+# Facts the roles set (set_fact / ansible_facts): present in hostvars once a play has run.
+# tests/unit/test_check_inputs.py greps the roles for new ones.
+ROLE_FACTS = frozenset(
+    {
+        "budgetgpu_gpus",
+        "budgetgpu_pcie",
+        "budgetgpu_net",
+        "budgetgpu_pending",
+        "budgetgpu_jobs_active",
+        "budgetgpu_disruption_allowed",
+        "budgetgpu_probed_this_run",
+        "budgetgpu_driver",
+        "budgetgpu_driver_reboot_pending",
+        "budgetgpu_cuda",
+        "budgetgpu_nccl",
+        "budgetgpu_python_env",
+        "budgetgpu_torchrun",
+        "budgetgpu_device_allow",
+    }
+)
+# Inputs that were renamed: the old name is refused with the new one.
+RENAMED = {"nccl_network_interface": "budgetgpu_cluster_interface"}
+
+
+def _nonnegative_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        return float(value) >= 0
+    except (TypeError, ValueError):
+        return False
+
+
+# What an argument spec cannot say: variable -> (expected, test of the templated value).
+RULES = {
+    "nccl_network_busbw_floor_gbps": (
+        'auto or a number of GB/s >= 0',
+        lambda value: value == "auto" or _nonnegative_number(value),
+    ),
+}
+
+
+def is_input_name(name: str) -> bool:
+    """Whether a variable's name marks it as one of this collection's inputs."""
+    return name.startswith(ROLE_PREFIXES) or name.startswith(CLUSTER_PREFIX)
+
+
+@functools.lru_cache(maxsize=4)
+def load_specs(roles_dir: str) -> tuple[dict[str, dict], frozenset[str]]:
+    """Every role's options (all entry points, merged) by variable name, and every name a role
+    knows (its options and its defaults). Read once per process: the files are the collection's."""
+    options: dict[str, dict] = {}
+    known: set[str] = set()
+    for role in sorted(Path(roles_dir).iterdir()):
+        spec_file = role / "meta" / "argument_specs.yml"
+        if spec_file.is_file():
+            entry_points = (yaml.safe_load(spec_file.read_text()) or {}).get("argument_specs") or {}
+            for entry in entry_points.values():
+                for name, spec in (entry.get("options") or {}).items():
+                    options.setdefault(name, spec)
+        defaults = role / "defaults" / "main.yml"
+        if defaults.is_file():
+            known.update(yaml.safe_load(defaults.read_text()) or {})
+    return options, frozenset(known | set(options))
+
+
+def describe(spec: dict) -> str:
+    """What an option expects, in words: type, elements, choices."""
+    text = spec.get("type", "str")
+    if spec.get("elements"):
+        text += f" of {spec['elements']}"
+    if spec.get("choices"):
+        text += f" (one of {', '.join(str(choice) for choice in spec['choices'])})"
+    return text
+
+
+def _spec_problem(name: str, value, spec: dict) -> str | None:
+    # A string where a list of mappings belongs is never meant: ansible would split it at commas.
+    if spec.get("type") == "list" and spec.get("elements") == "dict" and not isinstance(value, list):
+        shape = "a mapping" if isinstance(value, dict) else "a string" if isinstance(value, str) else type(value).__name__
+        return f"expected a YAML list of mappings, found {shape} {value!r}"
+    # .errors is an exception object (always true); its list is .errors.errors.
+    errors = ArgumentSpecValidator({name: spec}).validate({name: value}).errors.errors
+    if errors:
+        details = "; ".join(error.msg for error in errors)
+        return f"expected {describe(spec)}, found {value!r} ({details})"
+    return None
+
+
+def unknown_problem(name: str, known: frozenset[str]) -> str:
+    """The message for a prefixed name that no role knows."""
+    if name in RENAMED:
+        return f"renamed to {RENAMED[name]}"
+    nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {nearest[0]}?" if nearest else "no role of budgetgpu.cluster reads it"
+    return f"no role knows this variable: {hint}"
+
+
+def check_inputs(host: str, variables: dict, options: dict[str, dict], known: frozenset[str]) -> list[str]:
+    """Problems of one host's inputs (templated values), each naming host, variable, expected and
+    found. `variables` holds only the names is_input_name accepts."""
+    known = known | CLUSTER_INPUTS | ROLE_FACTS
+    problems = []
+    for name in sorted(variables):
+        value = variables[name]
+        if name in options:
+            problem = _spec_problem(name, value, options[name])
+        elif name in RENAMED or name not in known:
+            problem = unknown_problem(name, known)
+        else:
+            problem = None
+        if problem is None and name in RULES and not RULES[name][1](value):
+            problem = f"expected {RULES[name][0]}, found {value!r}"
+        if problem:
+            problems.append(f"{host}: {name}: {problem}")
+    return problems
