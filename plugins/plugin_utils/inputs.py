@@ -9,6 +9,7 @@ prefixed name that no role knows is named with the nearest known one."""
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import functools
 from pathlib import Path
 
@@ -30,20 +31,23 @@ ROLE_PREFIXES = (
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
-# Cluster-wide inputs (CONTRIBUTING.md, "Cluster-wide inputs") and the other budgetgpu_ names an
-# inventory or a run's --extra-vars may set.
-CLUSTER_INPUTS = frozenset(
-    {
-        "budgetgpu_cluster_subnet",
-        "budgetgpu_cluster_interface",
-        "budgetgpu_user",
-        "budgetgpu_simulated",
-        "budgetgpu_sysfs_root",
-        "budgetgpu_safe_mode",
-        "budgetgpu_cuda_repo_url",
-        "budgetgpu_cuda_repo_key_url",
-    }
-)
+# Inputs that no role's argument spec holds, with their specs: the cluster-wide ones
+# (CONTRIBUTING.md, "Cluster-wide inputs"; each role maps them to a prefixed variable of its own)
+# and the few read with a default where they are used.
+OTHER_INPUTS = {
+    "budgetgpu_cluster_subnet": {"type": "str"},
+    "budgetgpu_cluster_interface": {"type": "str"},
+    "budgetgpu_user": {"type": "str"},
+    "budgetgpu_simulated": {"type": "bool"},
+    "budgetgpu_sysfs_root": {"type": "path"},
+    "budgetgpu_safe_mode": {"type": "bool"},
+    "budgetgpu_cuda_repo_url": {"type": "str"},
+    "budgetgpu_cuda_repo_key_url": {"type": "str"},
+    # scripts/nightly-reprovision --force; read by the probe role (probe_force)
+    "reprovision_force": {"type": "bool"},
+    # a host's node rank in a static rendezvous (torchrun_jobs' node_ranks)
+    "torchrun_node_rank": {"type": "int"},
+}
 # Facts the roles set (set_fact / ansible_facts): present in hostvars once a play has run.
 # tests/unit/test_check_inputs.py greps the roles for new ones.
 ROLE_FACTS = frozenset(
@@ -64,6 +68,9 @@ ROLE_FACTS = frozenset(
         "budgetgpu_device_allow",
     }
 )
+# Lists whose items' fields preflight's cluster check (cluster_check) checks, naming job and field:
+# here only their shape.
+JOB_LISTS = frozenset({"torchrun_jobs", "preflight_jobs"})
 # Inputs that were renamed: the old name is refused with the new one.
 RENAMED = {"nccl_network_interface": "budgetgpu_cluster_interface"}
 
@@ -77,8 +84,17 @@ def _nonnegative_number(value) -> bool:
         return False
 
 
+def _cidr(value) -> bool:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except (TypeError, ValueError):
+        return False
+    return "/" in str(value)
+
+
 # What an argument spec cannot say: variable -> (expected, test of the templated value).
 RULES = {
+    "budgetgpu_cluster_subnet": ("a CIDR such as 192.168.1.0/24, or empty", lambda value: value == "" or _cidr(value)),
     "nccl_network_busbw_floor_gbps": (
         'auto or a number of GB/s >= 0',
         lambda value: value == "auto" or _nonnegative_number(value),
@@ -107,6 +123,7 @@ def load_specs(roles_dir: str) -> tuple[dict[str, dict], frozenset[str]]:
         defaults = role / "defaults" / "main.yml"
         if defaults.is_file():
             known.update(yaml.safe_load(defaults.read_text()) or {})
+    options.update(OTHER_INPUTS)
     return options, frozenset(known | set(options))
 
 
@@ -120,11 +137,18 @@ def describe(spec: dict) -> str:
     return text
 
 
+def _shape(value) -> str:
+    return "a mapping" if isinstance(value, dict) else "a string" if isinstance(value, str) else type(value).__name__
+
+
 def _spec_problem(name: str, value, spec: dict) -> str | None:
-    # A string where a list of mappings belongs is never meant: ansible would split it at commas.
-    if spec.get("type") == "list" and spec.get("elements") == "dict" and not isinstance(value, list):
-        shape = "a mapping" if isinstance(value, dict) else "a string" if isinstance(value, str) else type(value).__name__
-        return f"expected a YAML list of mappings, found {shape} {value!r}"
+    if spec.get("type") == "list" and spec.get("elements") == "dict":
+        # A string where a list of mappings belongs is never meant: ansible would split it at commas.
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            return f"expected a YAML list of mappings, found {_shape(value)} {value!r}"
+        # The jobs' fields: preflight's cluster check names job, field and node (one place).
+        if name in JOB_LISTS:
+            return None
     # .errors is an exception object (always true); its list is .errors.errors.
     errors = ArgumentSpecValidator({name: spec}).validate({name: value}).errors.errors
     if errors:
@@ -145,7 +169,7 @@ def unknown_problem(name: str, known: frozenset[str]) -> str:
 def check_inputs(host: str, variables: dict, options: dict[str, dict], known: frozenset[str]) -> list[str]:
     """Problems of one host's inputs (templated values), each naming host, variable, expected and
     found. `variables` holds only the names is_input_name accepts."""
-    known = known | CLUSTER_INPUTS | ROLE_FACTS
+    known = known | ROLE_FACTS
     problems = []
     for name in sorted(variables):
         value = variables[name]

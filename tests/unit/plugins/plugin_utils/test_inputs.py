@@ -31,9 +31,14 @@ def problems(variables: dict) -> list[str]:
         ({"budgetgpu_simulted": True}, ["node3: budgetgpu_simulted:", "did you mean budgetgpu_simulated?"]),
         ({"torchrun_jobs": {"name": "a"}}, ["node3: torchrun_jobs: expected a YAML list of mappings, found a mapping"]),
         ({"torchrun_jobs": "name=a"}, ["node3: torchrun_jobs: expected a YAML list of mappings, found a string"]),
-        ({"torchrun_jobs": [{"script": "x.py"}]}, ["node3: torchrun_jobs:", "missing required arguments: name"]),
+        ({"torchrun_jobs": ["train"]}, ["node3: torchrun_jobs: expected a YAML list of mappings, found"]),
         ({"probe_pcie_min_width": 3}, ["node3: probe_pcie_min_width: expected int (one of 0, 1, 2, 4, 8, 16, 32)"]),
         ({"cuda_hold": "perhaps"}, ["node3: cuda_hold: expected bool, found 'perhaps'"]),
+        ({"budgetgpu_cluster_subnet": "192.168.1.1"}, ["node3: budgetgpu_cluster_subnet: expected a CIDR"]),
+        ({"budgetgpu_cluster_subnet": "lan"}, ["node3: budgetgpu_cluster_subnet: expected a CIDR"]),
+        ({"budgetgpu_simulated": "maybe"}, ["node3: budgetgpu_simulated: expected bool"]),
+        ({"reprovision_force": "sure"}, ["node3: reprovision_force: expected bool"]),
+        ({"torchrun_node_rank": "first"}, ["node3: torchrun_node_rank: expected int"]),
     ],
 )
 def test_bad_inputs_are_refused_naming_host_variable_expected_and_found(variables, expected):
@@ -53,6 +58,7 @@ def test_bad_inputs_are_refused_naming_host_variable_expected_and_found(variable
         {"torchrun_jobs": [{"name": "a", "script": "/srv/a.py", "port": 29600}]},
         # Cluster inputs and the facts roles set are known, not flagged.
         {"budgetgpu_cluster_subnet": "10.0.0.0/24", "budgetgpu_safe_mode": True, "budgetgpu_pending": []},
+        {"budgetgpu_cluster_subnet": "", "reprovision_force": True, "torchrun_node_rank": 2},
         # Not the collection's: left alone.
         {"ansible_host": "10.0.0.1", "fake_gpus": 3, "cudaversion": "x"},
     ],
@@ -86,7 +92,7 @@ def test_every_budgetgpu_fact_the_roles_set_is_known():
         set_here.update(pattern.findall(path.read_text()))
     for path in REPO.glob("plugins/modules/*.py"):
         set_here.update(re.findall(r'"(budgetgpu_[a-z0-9_]+)"\s*:', path.read_text()))
-    assert set_here - inputs.ROLE_FACTS - inputs.CLUSTER_INPUTS == set()
+    assert set_here - inputs.ROLE_FACTS - set(inputs.OTHER_INPUTS) == set()
 
 
 def inventory_inputs(path: Path) -> dict:
