@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ansible.errors import AnsibleError
 from ansible.plugins.action import ActionBase
-
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inputs import check_inputs, is_input_name, load_specs
 
 ROLES_DIR = str(Path(__file__).resolve().parents[2] / "roles")

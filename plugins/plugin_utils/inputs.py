@@ -9,8 +9,8 @@ prefixed name that no role knows is named with the nearest known one."""
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import functools
+import ipaddress
 from pathlib import Path
 
 import yaml
@@ -96,7 +96,7 @@ def _cidr(value) -> bool:
 RULES = {
     "budgetgpu_cluster_subnet": ("a CIDR such as 192.168.1.0/24, or empty", lambda value: value == "" or _cidr(value)),
     "nccl_network_busbw_floor_gbps": (
-        'auto or a number of GB/s >= 0',
+        "auto or a number of GB/s >= 0",
         lambda value: value == "auto" or _nonnegative_number(value),
     ),
 }

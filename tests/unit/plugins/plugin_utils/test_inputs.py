@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inputs
 
 REPO = Path(__file__).resolve().parents[4]
@@ -27,7 +26,10 @@ def problems(variables: dict) -> list[str]:
         ({"nccl_network_busbw_floor_gbps": -1}, ["node3: nccl_network_busbw_floor_gbps: expected auto or a number"]),
         ({"nccl_network_busbw_floor_gbps": "fast"}, ["nccl_network_busbw_floor_gbps: expected auto or a number"]),
         ({"nccl_network_busbw_floor_gbps": True}, ["nccl_network_busbw_floor_gbps: expected auto or a number"]),
-        ({"nvidia_driver_reboots": True}, ["node3: nvidia_driver_reboots: no role knows", "did you mean nvidia_driver_reboot?"]),
+        (
+            {"nvidia_driver_reboots": True},
+            ["node3: nvidia_driver_reboots: no role", "did you mean nvidia_driver_reboot?"],
+        ),
         ({"budgetgpu_simulted": True}, ["node3: budgetgpu_simulted:", "did you mean budgetgpu_simulated?"]),
         ({"torchrun_jobs": {"name": "a"}}, ["node3: torchrun_jobs: expected a YAML list of mappings, found a mapping"]),
         ({"torchrun_jobs": "name=a"}, ["node3: torchrun_jobs: expected a YAML list of mappings, found a string"]),
