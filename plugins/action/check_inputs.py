@@ -86,7 +86,7 @@ class ActionModule(ActionBase):
             path = os.path.normpath(os.path.join(task_vars.get("playbook_dir", ""), wheelhouse))
             if not os.path.isdir(path):
                 problems.append(
-                    f"{host}: python_env_wheelhouse: expected a directory on the control node, found none at {path}: "
-                    'run scripts/fill-wheelhouse, or set it to "" to install from the package index'
+                    f"{host}: python_env_wheelhouse '{wheelhouse}' is not a directory on the control node (looked at "
+                    f'{path}): run scripts/fill-wheelhouse, or set it to "" to install from the package index'
                 )
         return problems

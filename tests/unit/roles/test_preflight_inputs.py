@@ -55,7 +55,7 @@ BAD = {
     "n7": ({"torchrun_jobs": "train"}, "n7: torchrun_jobs: expected a YAML list of mappings, found a string"),
     "n8": (
         {"python_env_wheelhouse": "/nonexistent/wh"},
-        "n8: python_env_wheelhouse: expected a directory on the control",
+        "n8: python_env_wheelhouse '/nonexistent/wh' is not a directory on the control node",
     ),
     # A templated value is checked as the role would see it.
     "n9": ({"budgetgpu_user": "7", "cuda_nccl_dev": "{{ budgetgpu_user }}"}, "n9: cuda_nccl_dev: expected bool, found"),
