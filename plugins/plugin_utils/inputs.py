@@ -173,8 +173,11 @@ def unknown_problem(name: str, known: frozenset[str]) -> str:
     """The message for a prefixed name that no role knows."""
     if name in RENAMED:
         return f"renamed to {RENAMED[name]}"
-    nearest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"did you mean {nearest[0]}?" if nearest else "no role of budgetgpu.cluster reads it"
+    # Compared after the shared prefix: on whole names every budgetgpu_* name looks alike.
+    prefix = next((p for p in (*ROLE_PREFIXES, CLUSTER_PREFIX) if name.startswith(p)), "")
+    rests = [other[len(prefix) :] for other in known if other.startswith(prefix)]
+    nearest = difflib.get_close_matches(name[len(prefix) :], rests, n=1, cutoff=0.6)
+    hint = f"did you mean {prefix}{nearest[0]}?" if nearest else "check its spelling against the roles' argument specs"
     return f"no role knows this variable: {hint}"
 
 

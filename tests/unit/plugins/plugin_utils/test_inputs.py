@@ -70,6 +70,13 @@ def test_good_inputs_pass(variables):
     assert problems(names) == []
 
 
+def test_a_name_like_no_known_one_gets_no_guess():
+    found = problems({"budgetgpu_extra_typo": 1})
+    assert found == [
+        "node3: budgetgpu_extra_typo: no role knows this variable: check its spelling against the roles' argument specs"
+    ]
+
+
 def test_a_renamed_variable_names_its_new_name():
     options = {name: spec for name, spec in OPTIONS.items() if name not in inputs.RENAMED}
     known = KNOWN - set(inputs.RENAMED)
