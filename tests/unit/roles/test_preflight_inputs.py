@@ -160,3 +160,30 @@ def test_the_demo_inventory_without_nodes_still_parses(tmp_path):
     out = output_of(result)
     assert result.returncode != 0
     assert "has no hosts in group gpu_nodes. For the local demo run `make demo`" in out
+
+
+def test_playbooks_preflight_stops_every_host_before_a_later_play(tmp_path):
+    """The real playbooks/preflight.yml (the probe on this machine, read-only), then a play in the
+    place of provision.yml: one host's bad input stops both hosts before the later play."""
+    play = f"""
+- name: Preflight
+  ansible.builtin.import_playbook: {REPO}/playbooks/preflight.yml
+- name: In the place of provision.yml
+  hosts: gpu_nodes
+  gather_facts: false
+  tasks:
+    - name: Write a file
+      ansible.builtin.copy:
+        content: written
+        dest: "{{{{ marker_dir }}}}/{{{{ inventory_hostname }}}}"
+        mode: "0644"
+"""
+    hosts = {"good": {}, "bad": {"nvidia_driver_reboots": True}}
+    inventory = write_inventory(tmp_path, hosts, {"ansible_become": False, "probe_on_missing_pynvml": "report"})
+    result = run_playbook(tmp_path, play, {}, inventory=inventory)
+    out = output_of(result)
+    assert result.returncode != 0, out
+    assert "bad: nvidia_driver_reboots: no role knows this variable: did you mean nvidia_driver_reboot?" in out
+    assert "Probe the network interfaces" in out
+    assert list((tmp_path / "written").iterdir()) == []
+    assert "In the place of provision.yml" not in out
