@@ -26,6 +26,12 @@ PLAYBOOK = """\
         cacheable: true
       when: test_gpus is defined
       tags: [always]
+    # As site.yml's preflight does before python_env (the wheelhouse on the control node is
+    # checked there); errors ignored so that the role's own checks run too.
+    - name: Check the inputs as preflight does
+      budgetgpu.cluster.check_inputs:
+      ignore_errors: true
+      tags: [always]
   roles:
     - role: budgetgpu.cluster.python_env
 """
