@@ -14,7 +14,6 @@ import json
 import re
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import job_hosts, job_master, job_master_addr
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
     NEVER_KINDS,
     endpoint,
@@ -23,6 +22,7 @@ from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
     ip_or_none,
     speed_text,
 )
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_hosts, job_master, job_master_addr
 
 _CONSUMER = re.compile(r"\b(GeForce|TITAN)\b", re.IGNORECASE)
 _SWITCH_ROLES = ("switch_upstream", "switch_downstream")

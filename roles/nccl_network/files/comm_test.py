@@ -162,7 +162,7 @@ def all_gather_json(obj: dict[str, Any], device: torch.device, world: int) -> li
     return [json.loads(bytes(b[:n].cpu().tolist())) for b, n in zip(buffers, lengths, strict=True)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["nccl", "gloo"], required=True)
     parser.add_argument("--min-bytes", type=int, default=1024)
@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair-iters", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.backend == "nccl":

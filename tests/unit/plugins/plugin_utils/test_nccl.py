@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import node_info
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import choose_cluster_interface
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import nccl
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import node_info
 
 SUBNET = "192.168.10.0/24"
 

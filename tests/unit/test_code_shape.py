@@ -1,0 +1,67 @@
+"""The shape the project's Python keeps: functions of at most 60 lines (the linter holds the
+complexity limit: ruff C901 in pyproject.toml), and every filter documented for ansible-doc."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_FUNCTION_LINES = 60
+# Python without a .py suffix (pyproject.toml's extend-include lists them for ruff too).
+SCRIPTS = ["scripts/demo-cluster", "scripts/gpu-probe", "scripts/gpu-smoke", "scripts/nightly-reprovision"]
+
+
+def _python_files() -> list[Path]:
+    files = [p for d in ("plugins", "roles", "scripts") for p in (ROOT / d).rglob("*.py")]
+    return files + [ROOT / s for s in SCRIPTS if (ROOT / s).exists()]
+
+
+def test_no_function_is_longer_than_60_lines() -> None:
+    long = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "split these functions:\n" + "\n".join(long)
+
+
+def _filter_names() -> list[str]:
+    package = importlib.import_module("ansible_collections.budgetgpu.cluster.plugins.filter")
+    names = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names += list(module.FilterModule().filters())
+    return sorted(names)
+
+
+def test_every_filter_has_a_doc_file() -> None:
+    missing = [n for n in _filter_names() if not (ROOT / "plugins" / "filter" / f"{n}.yml").exists()]
+    assert not missing, f"plugins/filter/<name>.yml missing for: {', '.join(missing)}"
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "ansible-doc").exists(), reason="ansible-doc not beside python")
+def test_ansible_doc_shows_every_filter() -> None:
+    names = [f"budgetgpu.cluster.{n}" for n in _filter_names()]
+    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-doc"), "-t", "filter", "--json", *names],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env=env,
+    )
+    docs = json.loads(out.stdout)
+    undocumented = [n for n in names if not (docs.get(n) or {}).get("doc", {}).get("short_description")]
+    assert not undocumented, f"ansible-doc has no short_description for: {', '.join(undocumented)}"
