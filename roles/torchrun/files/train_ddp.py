@@ -264,6 +264,11 @@ class StopRequest:
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signal = signum
 
+    @property
+    def stopping(self) -> bool:
+        """Whether this rank stops because it or a peer was asked to."""
+        return self.signal is not None or self.by_peer
+
     def agreed(self, ctx: Dist) -> bool:
         """Return whether any rank was asked to stop (one all-reduce of one number)."""
         if not ctx.enabled:
@@ -291,9 +296,8 @@ def restore(ctx: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, direc
 
 def leave(ctx: Dist, stop: StopRequest, step: int) -> int:
     """Say how the run ended, leave the process group and return the exit code."""
-    stopping = stop.signal is not None or stop.by_peer
     if ctx.rank == 0:
-        log(f"{'stopped' if stopping else 'finished'} at step {step}")
+        log(f"{'stopped' if stop.stopping else 'finished'} at step {step}")
     if ctx.enabled:
         # Every rank past its last checkpoint before any rank exits. NCCL wants its communicators
         # destroyed before exit; destroying a gloo group made a finished rank abort at exit in 2 of
@@ -352,7 +356,7 @@ def train(args: argparse.Namespace) -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
     if writer and policy.last_step != step:
-        checkpoint(" (stop requested)" if stop.signal is not None or stop.by_peer else " (final)")
+        checkpoint(" (stop requested)" if stop.stopping else " (final)")
     return leave(ctx, stop, step)
 
 
