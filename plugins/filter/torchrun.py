@@ -6,12 +6,10 @@ Each filter is documented beside this file (<filter>.yml, ``ansible-doc -t filte
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
-from ansible.errors import AnsibleFilterError
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
 # Other plugins import these names from here.
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (  # noqa: F401
@@ -23,24 +21,10 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (  #
     job_nproc,
 )
 
-
-def _filter_errors(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Bad input (ValueError) as AnsibleFilterError: the task fails with the message, no traceback."""
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except ValueError as error:
-            raise AnsibleFilterError(str(error)) from error
-
-    return wrapper
-
-
-torchrun_job_normalize = _filter_errors(jobs.torchrun_job_normalize)
-torchrun_jobs_normalize = _filter_errors(jobs.torchrun_jobs_normalize)
-torchrun_plan = _filter_errors(jobs.torchrun_plan)
-torchrun_argv = _filter_errors(jobs.torchrun_argv)
+torchrun_job_normalize = as_filter(jobs.torchrun_job_normalize)
+torchrun_jobs_normalize = as_filter(jobs.torchrun_jobs_normalize)
+torchrun_plan = as_filter(jobs.torchrun_plan)
+torchrun_argv = as_filter(jobs.torchrun_argv)
 torchrun_environment = jobs.torchrun_environment
 torchrun_masters_unknown = jobs.torchrun_masters_unknown
 torchrun_recorded_masters = jobs.torchrun_recorded_masters

@@ -56,6 +56,19 @@ def output_of(result: subprocess.CompletedProcess[str]) -> str:
     return " ".join((result.stdout + result.stderr).split())
 
 
+# Appended to a preflight playbook: a node with a marker file ran a step after preflight refused.
+AFTER_PREFLIGHT = """- name: A later step that must not run after a failed preflight
+  hosts: gpu_nodes
+  gather_facts: false
+  tasks:
+    - name: Write a file
+      ansible.builtin.copy:
+        content: written
+        dest: "{{ marker_dir }}/{{ inventory_hostname }}"
+        mode: "0644"
+"""
+
+
 JOB_UNIT_PLAYBOOK = """\
 - name: Render a job unit as the torchrun role does
   hosts: all

@@ -10,25 +10,19 @@ import time
 from pathlib import Path
 
 import yaml
-from fake_host import REPO, output_of, run_playbook
+from fake_host import AFTER_PREFLIGHT, REPO, output_of, run_playbook
 
-PLAYBOOK = """
+PLAYBOOK = (
+    """
 - name: Preflight
   hosts: gpu_nodes
   gather_facts: false
   roles:
     - budgetgpu.cluster.preflight
 
-- name: A later step that must not run after a failed preflight
-  hosts: gpu_nodes
-  gather_facts: false
-  tasks:
-    - name: Write a file
-      ansible.builtin.copy:
-        content: written
-        dest: "{{ marker_dir }}/{{ inventory_hostname }}"
-        mode: "0644"
 """
+    + AFTER_PREFLIGHT
+)
 CHECK_ONLY = """
 - name: Check the inputs only
   hosts: gpu_nodes

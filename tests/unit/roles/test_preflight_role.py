@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_host import AFTER_PREFLIGHT
 
 REPO = Path(__file__).resolve().parents[3]
-PLAYBOOK = """
+PLAYBOOK = (
+    """
 - name: Stand in for the probe with the inventory's facts
   hosts: gpu_nodes
   gather_facts: false
@@ -35,16 +37,9 @@ PLAYBOOK = """
   roles:
     - budgetgpu.cluster.preflight
 
-- name: A later step that must not run after a failed preflight
-  hosts: gpu_nodes
-  gather_facts: false
-  tasks:
-    - name: Write a file
-      ansible.builtin.copy:
-        content: written
-        dest: "{{ marker_dir }}/{{ inventory_hostname }}"
-        mode: "0644"
 """
+    + AFTER_PREFLIGHT
+)
 RTX = "NVIDIA GeForce RTX 3090"
 
 
