@@ -310,9 +310,20 @@ def load_engine(config: WorkerConfig) -> Engine:
         model = model.to(device)
     model.eval()
     engine = Engine(config, tokenizer, model, device)
+    _warm_up(engine)
     engine.load_seconds = time.monotonic() - start
     LOG.info(_load_line(engine, dtype))
     return engine
+
+
+def _warm_up(engine: Engine) -> None:
+    """One small pass at load, so that the first request does not pay for lazy initialisation."""
+    cancel = Cancel(time.monotonic() + 300)
+    if engine.config.task == "embeddings":
+        engine.embed(["warm up"], cancel)
+    else:
+        ids = engine.encode("warm up") or [engine.tokenizer.eos_token_id or 0]
+        engine.generate(ids, GenerationParams(max_new_tokens=1, temperature=0.0), cancel)
 
 
 def _load_line(engine: Engine, dtype) -> str:
