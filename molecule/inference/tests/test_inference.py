@@ -122,11 +122,12 @@ def test_every_worker_comes_up(addresses: dict[str, str]) -> None:
 
 def test_units_are_hardened_and_pinned_by_gpu_uuid() -> None:
     for node in NODES:
-        # The simulated GPUs' UUIDs, as NVML (gpu_facts) reports them, in nvidia-smi order.
+        # The GPUs' UUIDs as NVML (gpu_facts) reports them, in nvidia-smi order (the system python has
+        # the simulated pynvml).
         uuids = json.loads(
             sh(
                 node,
-                "/opt/budgetgpu/venv/bin/python -c 'import json, pynvml; pynvml.nvmlInit(); "
+                "python3 -c 'import json, pynvml; pynvml.nvmlInit(); "
                 "print(json.dumps([pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) "
                 "for i in range(pynvml.nvmlDeviceGetCount())]))'",
             )
@@ -147,7 +148,7 @@ def test_units_are_hardened_and_pinned_by_gpu_uuid() -> None:
             env = props["Environment"].split()
             assert f"CUDA_VISIBLE_DEVICES={uuids[gpu]}" in env, (node, unit, env)
             assert {"HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"} <= set(env), env
-            owner = sh(node, f"ps -o user= -p {props['MainPID']}").strip()
+            owner = sh(node, f"stat -c %U /proc/{props['MainPID']}").strip()
             assert owner == "budgetgpu", (node, unit, owner)
         assert "CUDA_VISIBLE_DEVICES=GPU-" in sh(node, "systemctl cat budgetgpu-infer-embed@0.service")
         sh(node, "systemd-analyze verify budgetgpu-infer-embed@0.service budgetgpu-infer-generate@0.service")
