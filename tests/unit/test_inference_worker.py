@@ -187,6 +187,17 @@ def test_chat_completion_whole_and_streamed(w, lm):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
 
 
+def test_a_stop_string_ends_the_text_before_it(w, lm):
+    request = {"prompt": "The cat sat", "max_tokens": 8, "temperature": 0}
+    with client_for(w, lm) as client:
+        whole = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+        stop = whole[len(whole) // 2 :][:3]
+        r = client.post("/v1/completions", json={**request, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == whole[: whole.index(stop)]
+    assert choice["finish_reason"] == "stop"
+
+
 def test_chat_without_a_template_is_a_clear_400(w, lm, monkeypatch):
     monkeypatch.setattr(lm.tokenizer, "chat_template", None)
     with client_for(w, lm) as client:
