@@ -441,7 +441,9 @@ def _placement(
         chosen = [g for g in gpus if g.get("index") not in claimed]
         if chosen:
             return chosen, []
-        taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items())) or "none: the node has no GPU"
+        if not gpus:
+            return [], [f"{where}: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"]
+        taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items()))
         return [], [f"{where}: gpus: found auto and no GPU left (training jobs use {taken}), expected a free GPU"]
     by_index, chosen, problems = {g.get("index"): g for g in gpus}, [], []
     for index in (_as_int(i) for i in wanted):
@@ -620,7 +622,7 @@ def _gpu_problems(
         problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}")
     if quant not in QUANT_BYTES:
         return problems
-    if _host_vars(hostvars, host).get("budgetgpu_simulated"):
+    if str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on"):
         problems.append(
             f"{label}: quantization: found {quant} on a simulated node (no CUDA), expected none: bitsandbytes "
             f"8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more (the real-GPU path)"
