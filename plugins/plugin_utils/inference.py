@@ -666,6 +666,7 @@ def _service_problems(
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None,
     model_configs: Mapping[str, Any],
+    unprobed_ok: bool = False,
 ) -> tuple[list[str], dict[tuple[str, int], list[str]]]:
     """Return (problems, {(host, GPU index): [service]}) of one service on all of its nodes."""
     name, problems, claims = service.get("name"), [], {}
@@ -684,7 +685,8 @@ def _service_problems(
     problems += model_problems
     for host in (h for h in nodes if h in hosts):
         chosen, placement_problems = _placement(service, hostvars, host, jobs)
-        problems += placement_problems
+        if not (unprobed_ok and node_gpus(hostvars, host) is None):
+            problems += placement_problems
         for gpu in chosen:
             claims.setdefault((host, gpu.get("index")), []).append(str(name))
             problems += _gpu_problems(service, hostvars, host, gpu, need)
@@ -749,6 +751,7 @@ def inference_check(
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None = None,
     model_configs: Mapping[str, Any] | None = None,
+    unprobed_ok: bool = False,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -757,11 +760,16 @@ def inference_check(
 
     hosts: the inventory's hosts (groups.all); jobs: budgetgpu_jobs; model_configs: service name ->
     its parsed config.json (or its text), None where the control node has none; a service not in
-    model_configs is not checked for memory."""
+    model_configs is not checked for memory.
+    unprobed_ok: a node without GPU facts is left out instead of refused (safe mode: the nightly
+    run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
+    """
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
     for service in active:
-        service_problems, service_claims = _service_problems(service, hostvars, hosts, jobs, model_configs or {})
+        service_problems, service_claims = _service_problems(
+            service, hostvars, hosts, jobs, model_configs or {}, unprobed_ok
+        )
         problems += service_problems
         for key, names in service_claims.items():
             claims.setdefault(key, []).extend(names)

@@ -362,6 +362,12 @@ def test_a_node_without_probe_facts_is_refused():
     ]
 
 
+def test_in_safe_mode_a_node_without_probe_facts_is_left_out():
+    hv = hostvars()
+    del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
+    assert m.inference_check(services(embed()), hv, HOSTS, [], {}, unprobed_ok=True) == []
+
+
 def test_hosts_and_gateway_outside_the_inventory_are_refused():
     bad = check(services(embed(nodes=["node1", "node7"], gateway={"host": "gw"})))
     assert "node7: service embed: nodes: found node7, expected a host of the inventory" in bad
