@@ -441,7 +441,9 @@ def _placement(
         chosen = [g for g in gpus if g.get("index") not in claimed]
         if chosen:
             return chosen, []
-        taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items())) or "none: the node has no GPU"
+        if not gpus:
+            return [], [f"{where}: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"]
+        taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items()))
         return [], [f"{where}: gpus: found auto and no GPU left (training jobs use {taken}), expected a free GPU"]
     by_index, chosen, problems = {g.get("index"): g for g in gpus}, [], []
     for index in (_as_int(i) for i in wanted):
@@ -620,7 +622,7 @@ def _gpu_problems(
         problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}")
     if quant not in QUANT_BYTES:
         return problems
-    if _host_vars(hostvars, host).get("budgetgpu_simulated"):
+    if str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on"):
         problems.append(
             f"{label}: quantization: found {quant} on a simulated node (no CUDA), expected none: bitsandbytes "
             f"8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more (the real-GPU path)"
@@ -664,6 +666,7 @@ def _service_problems(
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None,
     model_configs: Mapping[str, Any],
+    unprobed_ok: bool = False,
 ) -> tuple[list[str], dict[tuple[str, int], list[str]]]:
     """Return (problems, {(host, GPU index): [service]}) of one service on all of its nodes."""
     name, problems, claims = service.get("name"), [], {}
@@ -682,7 +685,8 @@ def _service_problems(
     problems += model_problems
     for host in (h for h in nodes if h in hosts):
         chosen, placement_problems = _placement(service, hostvars, host, jobs)
-        problems += placement_problems
+        if not (unprobed_ok and node_gpus(hostvars, host) is None):
+            problems += placement_problems
         for gpu in chosen:
             claims.setdefault((host, gpu.get("index")), []).append(str(name))
             problems += _gpu_problems(service, hostvars, host, gpu, need)
@@ -747,6 +751,7 @@ def inference_check(
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None = None,
     model_configs: Mapping[str, Any] | None = None,
+    unprobed_ok: bool = False,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -755,11 +760,16 @@ def inference_check(
 
     hosts: the inventory's hosts (groups.all); jobs: budgetgpu_jobs; model_configs: service name ->
     its parsed config.json (or its text), None where the control node has none; a service not in
-    model_configs is not checked for memory."""
+    model_configs is not checked for memory.
+    unprobed_ok: a node without GPU facts is left out instead of refused (safe mode: the nightly
+    run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
+    """
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
     for service in active:
-        service_problems, service_claims = _service_problems(service, hostvars, hosts, jobs, model_configs or {})
+        service_problems, service_claims = _service_problems(
+            service, hostvars, hosts, jobs, model_configs or {}, unprobed_ok
+        )
         problems += service_problems
         for key, names in service_claims.items():
             claims.setdefault(key, []).extend(names)

@@ -311,6 +311,13 @@ def test_a_job_on_every_gpu_leaves_none_for_auto():
     assert check([service], jobs=training(3)) == []
 
 
+def test_a_node_whose_driver_shows_no_gpu_has_none_for_auto():
+    hv = hostvars(node2=node("10.0.0.12", gpus=0))
+    assert check(services(embed()), hv) == [
+        "node2: service embed: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"
+    ]
+
+
 def test_a_gpu_a_training_job_uses_is_refused_not_dropped():
     jobs = training(2)
     bad = check(services(embed(gpus=[1, 2])), jobs=jobs)
@@ -353,6 +360,12 @@ def test_a_node_without_probe_facts_is_refused():
     assert check(services(embed()), hv) == [
         "node2: service embed: gpus: found no GPU facts, expected budgetgpu_gpus from gpu_facts (run the probe first)"
     ]
+
+
+def test_in_safe_mode_a_node_without_probe_facts_is_left_out():
+    hv = hostvars()
+    del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
+    assert m.inference_check(services(embed()), hv, HOSTS, [], {}, unprobed_ok=True) == []
 
 
 def test_hosts_and_gateway_outside_the_inventory_are_refused():
@@ -485,6 +498,7 @@ def test_a_missing_model_or_config_json_is_refused():
 
 def test_quantisation_on_a_simulated_node_is_refused():
     hv = hostvars(node1=node("10.0.0.11", budgetgpu_simulated=True))
+    assert check(services(chat(quantization="4bit", nodes=["node1"], gpus=[0])), hostvars()) == []
     bad = check(services(chat(quantization="8bit", nodes=["node1"], gpus=[0])), hv)
     assert bad == [
         f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: quantization: found 8bit on a simulated node (no CUDA), "
@@ -606,3 +620,25 @@ def test_command_values_are_quoted_not_split():
         "--port",
         "8101",
     ]
+
+
+# --- the filters ------------------------------------------------------------------------------------
+
+
+def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
+    from ansible.errors import AnsibleFilterError
+    from ansible_collections.budgetgpu.cluster.plugins.filter.inference import FilterModule
+
+    filters = FilterModule().filters()
+    assert set(filters) == {
+        "inference_services_normalize",
+        "inference_workers",
+        "inference_upstreams",
+        "inference_gateway_host",
+        "inference_check",
+        "inference_worker_command",
+        "inference_memory_need",
+    }
+    assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
+    with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
+        filters["inference_services_normalize"]([embed(quantization="4-bit")])
