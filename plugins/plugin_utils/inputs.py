@@ -37,6 +37,7 @@ ROLE_PREFIXES = (
     "preflight_",
     "reprovision_",
     "gpu_sim_",
+    "inference_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
@@ -80,9 +81,9 @@ ROLE_FACTS = frozenset(
         "budgetgpu_preflight_jobs_digest",
     }
 )
-# Lists whose items' fields preflight's cluster check (cluster_check) checks, naming job and field:
-# here only their shape.
-JOB_LISTS = frozenset({"torchrun_jobs"})
+# Lists whose items' fields preflight checks, naming job or service and field (cluster_check,
+# inference_services_normalize and inference_check): here only their shape.
+JOB_LISTS = frozenset({"torchrun_jobs", "inference_services"})
 # Inputs that were renamed: the old name is refused with the new one.
 RENAMED = {"nccl_network_interface": "budgetgpu_cluster_interface"}
 

@@ -1,0 +1,29 @@
+"""Inference service filters, thin wrappers over the service model (plugins/plugin_utils/inference.py):
+fill the services with their defaults, place their workers on GPUs, list the gateway's upstreams, check
+the placement (preflight), render a worker's command. Bad input fails the task with the model's
+message (ValueError -> AnsibleFilterError).
+
+Each filter is documented beside this file (<filter>.yml, ``ansible-doc -t filter``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as _inference
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
+
+
+class FilterModule:
+    """Inference service filters."""
+
+    def filters(self) -> dict[str, Any]:
+        return {
+            "inference_services_normalize": as_filter(_inference.inference_services_normalize),
+            "inference_workers": as_filter(_inference.inference_workers),
+            "inference_upstreams": as_filter(_inference.inference_upstreams),
+            "inference_gateway_host": as_filter(_inference.inference_gateway_host),
+            "inference_check": as_filter(_inference.inference_check),
+            "inference_worker_command": as_filter(_inference.inference_worker_command),
+            "inference_memory_need": as_filter(_inference.inference_memory_need),
+        }

@@ -1,0 +1,830 @@
+"""The inference service model: one service of ``inference_services`` with every default applied,
+which GPUs of which node serve it (one worker per GPU), the gateway's upstreams, the model's
+memory need, the placement checks preflight runs, and the argv of one worker's unit.
+
+Controller-side and pure (services, hostvars and parsed config.json in, values out; no I/O). Bad
+input raises ValueError naming the service, the field, what was found and what was expected (the
+filter file plugins/filter/inference.py turns it into AnsibleFilterError).
+
+A service (one item of ``inference_services``; roles/inference/meta/argument_specs.yml documents
+each key):
+
+    name: chat                       # ^[a-z0-9][a-z0-9_-]*$ (units budgetgpu-infer-<name>@<slot>.service)
+    model: /srv/models/llama-7b      # a model directory on the control node (config.json inside)
+    task: generation                 # generation | embeddings
+    nodes: inference_nodes           # an inventory group, or a list of hosts
+    gpus: auto                       # auto | [0, 1] (nvidia-smi indices) | {node1: [0], node2: auto}
+    quantization: 4bit               # none | 8bit | 4bit
+    gateway: {host: node1, port: 8080}
+
+Where a node's GPUs come from: ``budgetgpu_gpus.gpus[]`` of gpu_facts (``index``, ``uuid``,
+``name``, ``memory_total_mib``, ``compute_capability``). A GPU is taken by a training job when a
+job of ``budgetgpu_jobs`` (jobs.py) that is started and enabled runs on the node: its
+``nproc_per_node`` processes use GPUs 0..n-1 (``gpu``: every GPU of the node, jobs.job_nproc).
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import re
+import shlex
+import string
+from collections.abc import Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, job_nproc, node_info
+
+SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+TASKS = ("embeddings", "generation")
+DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+ENGINES = ("builtin", "command")
+STATES = ("started", "stopped", "absent")
+UNIT_PREFIX = "budgetgpu-infer-"
+MODEL_ROOT = "/var/lib/budgetgpu/models"
+CONFIG_DIR = "/etc/budgetgpu/inference"
+# What an engine=command string may name; {port} is required (each worker listens on its own).
+PLACEHOLDERS = ("model", "port", "host", "name", "max_input_tokens", "max_new_tokens", "dtype", "gpu_uuid", "slot")
+
+# The built-in default of every optional key: the one place service defaults live (the inference
+# role's argument spec repeats them for ansible-doc; a unit test holds the two equal). inference_user
+# and inference_venv, then inference_service_defaults, then a service's own keys override them.
+# name, model and task have no default: a service without them is refused.
+SERVICE_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "task": None,
+    "nodes": "inference_nodes",
+    "gpus": "auto",
+    "dtype": "float16",
+    "quantization": "none",
+    "max_new_tokens": 256,
+    "max_input_tokens": 2048,
+    "concurrency": 1,
+    "queue": 8,
+    "timeout_s": 120,
+    "port": 8100,
+    "engine": "builtin",
+    "command": "",
+    "gateway": {"host": None, "port": 8080, "allow": []},  # host: first node of the service
+    "state": "started",
+    "user": "budgetgpu",
+    "venv": "/opt/budgetgpu/venv",
+}
+SERVICE_KEYS = frozenset(SERVICE_DEFAULTS) | {"name"}
+GATEWAY_KEYS = frozenset(SERVICE_DEFAULTS["gateway"])
+# Keys normalise adds (not the inventory's).
+DERIVED_KEYS = frozenset({"unit_template", "model_dir", "config_file"})
+INT_FIELDS = {  # field -> smallest value
+    "max_new_tokens": 1,
+    "max_input_tokens": 1,
+    "concurrency": 1,
+    "queue": 0,
+    "timeout_s": 1,
+    "port": 1,
+}
+
+# Bytes per parameter of the weights: the dtype's, or bitsandbytes' when quantised.
+DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
+QUANT_BYTES = {"8bit": 1.0, "4bit": 0.5}
+# What a process holds on a GPU before the first weight: the CUDA context (driver state, the
+# kernels of torch's CUDA libraries once loaded) takes about 300-500 MiB on Ampere/Ada with CUDA 12
+# and lazy module loading; the larger figure keeps the check on the side of refusing.
+CUDA_CONTEXT_BYTES = 500 * 2**20
+# bitsandbytes' 8bit/4bit kernels need Turing or newer (compute capability 7.5).
+QUANT_MIN_CAPABILITY = (7, 5)
+# Families whose MLP is gated (gate, up and down projections: 3 x hidden x intermediate), with
+# rotary positions and untied output embeddings by default (Llama-style).
+GATED_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo"})
+UNTIED_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "phi3", "olmo"})
+GIB = 2**30
+
+
+def unit_name(name: str, slot: int | str = "") -> str:
+    """Return a worker's unit: "budgetgpu-infer-<name>@<slot>.service" (no slot: the template)."""
+    return f"{UNIT_PREFIX}{name}@{slot}.service"
+
+
+def _nearest(value: Any, choices: Any) -> str:
+    match = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _label(index: int, service: Any) -> str:
+    name = service.get("name") if isinstance(service, Mapping) else None
+    return f"inference_services[{index}] ({name})" if name else f"inference_services[{index}]"
+
+
+def _as_int(value: Any) -> Any:
+    """Extra vars and some inventories give numbers as strings: take "8100" as 8100."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if key == "gateway" and isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            value = {**merged[key], **value}
+        merged[key] = value
+    return merged
+
+
+def inference_service_normalize(
+    service: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+    user: str | None = None,
+    venv: str | None = None,
+    model_root: str | None = None,
+    config_dir: str | None = None,
+) -> dict[str, Any]:
+    """Return one service with every key present, unchecked (inference_services_normalize checks).
+    Precedence, lowest first: SERVICE_DEFAULTS, user and venv, defaults, the service's keys; the
+    gateway mapping merges key by key."""
+    merged = _merge(SERVICE_DEFAULTS, {k: v for k, v in {"user": user, "venv": venv}.items() if v})
+    merged = _merge(merged, {k: v for k, v in (defaults or {}).items() if v is not None})
+    merged = _merge(merged, service)
+    for key in INT_FIELDS:
+        merged[key] = _as_int(merged.get(key))
+    if isinstance(merged.get("gateway"), Mapping):
+        merged["gateway"] = {**merged["gateway"], "port": _as_int(merged["gateway"].get("port"))}
+    name = str(merged.get("name") or "")
+    merged["unit_template"] = unit_name(name)
+    merged["model_dir"] = f"{(model_root or MODEL_ROOT).rstrip('/')}/{name}"
+    merged["config_file"] = f"{(config_dir or CONFIG_DIR).rstrip('/')}/{name}.json"
+    return merged
+
+
+# --- the fields of one service --------------------------------------------------------------------
+
+
+def _bad_identity(service: Mapping[str, Any]) -> list[str]:
+    bad = []
+    name = service.get("name")
+    if not isinstance(name, str) or not SERVICE_NAME.fullmatch(name):
+        bad.append(f"name: found {name!r}, expected lower-case letters, digits, '_' or '-' (^[a-z0-9][a-z0-9_-]*$)")
+    model = service.get("model")
+    if not isinstance(model, str) or not model.strip():
+        bad.append(f"model: found {model!r}, expected a model directory on the control node (config.json inside)")
+    for key in sorted(set(service) - SERVICE_KEYS - DERIVED_KEYS, key=str):
+        bad.append(
+            f"{key}: unknown key{_nearest(key, SERVICE_KEYS)}; expected one of {', '.join(sorted(SERVICE_KEYS))}"
+        )
+    for field, choices in (
+        ("task", TASKS),
+        ("dtype", DTYPES),
+        ("quantization", QUANTIZATIONS),
+        ("engine", ENGINES),
+        ("state", STATES),
+    ):
+        if service.get(field) not in choices:
+            found = service.get(field)
+            bad.append(f"{field}: found {found!r}, expected one of {', '.join(choices)}{_nearest(found, choices)}")
+    return bad
+
+
+def _bad_numbers(service: Mapping[str, Any]) -> list[str]:
+    bad = []
+    for field, low in INT_FIELDS.items():
+        value = service.get(field)
+        if not _is_int(value) or value < low:
+            bad.append(f"{field}: found {value!r}, expected a whole number of {low} or more")
+    port = service.get("port")
+    if _is_int(port) and port > 65535:
+        bad.append(f"port: found {port!r}, expected a TCP port from 1 to 65535")
+    return bad
+
+
+def _bad_gpus(gpus: Any) -> list[str]:
+    def index_list_ok(value: Any) -> bool:
+        return value == "auto" or (isinstance(value, list) and all(_is_int(_as_int(i)) for i in value))
+
+    if isinstance(gpus, Mapping):
+        wrong = {host: value for host, value in gpus.items() if not index_list_ok(value)}
+        if not wrong:
+            return []
+        return [f"gpus: found {wrong!r}, expected for each host auto or a list of GPU indices (nvidia-smi order)"]
+    if index_list_ok(gpus):
+        return []
+    return [f"gpus: found {gpus!r}, expected auto, a list of GPU indices (nvidia-smi order) or a mapping host -> list"]
+
+
+def _bad_gateway(gateway: Any) -> list[str]:
+    if not isinstance(gateway, Mapping):
+        return [f"gateway: found {gateway!r}, expected a mapping with host, port and allow"]
+    bad = [
+        f"gateway.{key}: unknown key{_nearest(key, GATEWAY_KEYS)}; expected one of host, port, allow"
+        for key in sorted(set(gateway) - GATEWAY_KEYS, key=str)
+    ]
+    port = gateway.get("port")
+    if not _is_int(port) or not 1 <= port <= 65535:
+        bad.append(f"gateway.port: found {port!r}, expected a TCP port from 1 to 65535")
+    host = gateway.get("host")
+    if host is not None and not isinstance(host, str):
+        bad.append(f"gateway.host: found {host!r}, expected an inventory host")
+    allow = gateway.get("allow")
+    if not isinstance(allow, list) or not all(_is_cidr(item) for item in allow):
+        bad.append(f"gateway.allow: found {allow!r}, expected a list of CIDRs such as 192.168.1.0/24")
+    return bad
+
+
+def _is_cidr(value: Any) -> bool:
+    try:
+        ipaddress.ip_network(str(value), strict=False)
+    except ValueError:
+        return False
+    return "/" in str(value)
+
+
+def _bad_engine(service: Mapping[str, Any]) -> list[str]:
+    engine, command = service.get("engine"), service.get("command")
+    if engine == "builtin" and command:
+        return [f"command: found {command!r}, expected none with engine builtin (set engine: command to run it)"]
+    if engine != "command":
+        return []
+    if not isinstance(command, str) or "{port}" not in command:
+        return [
+            f"command: found {command!r}, expected an OpenAI-compatible server command with {{port}} "
+            f"(placeholders {', '.join('{' + p + '}' for p in PLACEHOLDERS)})"
+        ]
+    try:
+        names = {field for _, field, _, _ in string.Formatter().parse(command) if field is not None}
+    except ValueError as error:
+        return [f"command: found {command!r}, expected balanced {{placeholders}} ({error})"]
+    unknown = sorted(names - set(PLACEHOLDERS))
+    if unknown:
+        hint = _nearest(unknown[0], PLACEHOLDERS)
+        return [f"command: found placeholder {{{unknown[0]}}}{hint}, expected only {', '.join(PLACEHOLDERS)}"]
+    return []
+
+
+def _bad_runtime(service: Mapping[str, Any]) -> list[str]:
+    bad = []
+    nodes = service.get("nodes")
+    if not (isinstance(nodes, str) and nodes) and not (
+        isinstance(nodes, list) and nodes and all(isinstance(h, str) for h in nodes)
+    ):
+        bad.append(f"nodes: found {nodes!r}, expected an inventory group or a list of hosts")
+    user = service.get("user")
+    if not isinstance(user, str) or not USER_NAME.fullmatch(user) or user == "root":
+        bad.append(f"user: found {user!r}, expected an unprivileged system user (never root)")
+    venv = service.get("venv")
+    if not isinstance(venv, str) or not venv.startswith("/"):
+        bad.append(f"venv: found {venv!r}, expected an absolute path")
+    return bad
+
+
+def service_problems(service: Mapping[str, Any]) -> list[str]:
+    """Return what is wrong with the fields of one normalised service, each "field: found, expected"."""
+    return [
+        *_bad_identity(service),
+        *_bad_numbers(service),
+        *_bad_gpus(service.get("gpus")),
+        *_bad_gateway(service.get("gateway")),
+        *_bad_engine(service),
+        *_bad_runtime(service),
+    ]
+
+
+def inference_services_normalize(
+    services: Any,
+    defaults: Mapping[str, Any] | None = None,
+    user: str | None = None,
+    venv: str | None = None,
+    model_root: str | None = None,
+    config_dir: str | None = None,
+) -> list[dict[str, Any]]:
+    """Return every service of inference_services with every key present (see
+    inference_service_normalize), or raise ValueError listing every bad field of every service."""
+    if services is None:
+        return []
+    if not isinstance(services, list):
+        hint = " (a mapping: put a '-' before each service)" if isinstance(services, Mapping) else ""
+        raise ValueError(
+            f"inference_services: found {type(services).__name__} {services!r}, expected a list of services{hint}"
+        )
+    if defaults is not None and not isinstance(defaults, Mapping):
+        raise ValueError(f"inference_service_defaults: found {defaults!r}, expected a dict of service keys")
+    problems = [
+        f"inference_service_defaults: {key}: unknown key{_nearest(key, SERVICE_KEYS)}"
+        for key in sorted(set(defaults or {}) - SERVICE_KEYS, key=str)
+    ]
+    normalised, seen = [], {}
+    for index, service in enumerate(services):
+        if not isinstance(service, Mapping):
+            problems.append(f"inference_services[{index}]: found {service!r}, expected a mapping (a service)")
+            continue
+        item = inference_service_normalize(service, defaults, user, venv, model_root, config_dir)
+        problems += [f"{_label(index, service)}: {bad}" for bad in service_problems(item)]
+        name = item.get("name")
+        if isinstance(name, str) and name in seen:
+            problems.append(f"{_label(index, service)}: name: found {name!r}, expected a name no other service has")
+        seen.setdefault(name, index)
+        normalised.append(item)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return normalised
+
+
+# --- where a service runs ---------------------------------------------------------------------------
+
+
+def _host_vars(hostvars: Mapping[str, Any], host: str) -> Mapping[str, Any]:
+    value = hostvars.get(host) if isinstance(hostvars, Mapping) else None
+    return value if isinstance(value, Mapping) else {}
+
+
+def _fact(hv: Mapping[str, Any], name: str) -> Any:
+    facts = hv.get("ansible_facts")
+    if isinstance(facts, Mapping) and facts.get(name) is not None:
+        return facts[name]
+    return hv.get(name)
+
+
+def _in_group(hv: Mapping[str, Any], group: str) -> bool:
+    return group == "all" or group in (hv.get("group_names") or [])
+
+
+def service_hosts(service: Mapping[str, Any], hostvars: Mapping[str, Any], hosts: list[str]) -> list[str]:
+    """Return the service's nodes: the hosts it lists, or those of hosts in its group (inventory order)."""
+    nodes = service.get("nodes")
+    if isinstance(nodes, list):
+        return list(dict.fromkeys(str(h) for h in nodes))
+    return [h for h in hosts if _in_group(_host_vars(hostvars, h), str(nodes))]
+
+
+def serves_on(service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str) -> bool:
+    """Whether host is a node of the service."""
+    nodes = service.get("nodes")
+    if isinstance(nodes, list):
+        return host in nodes
+    return _in_group(_host_vars(hostvars, host), str(nodes))
+
+
+def inference_gateway_host(service: Mapping[str, Any], hostvars: Mapping[str, Any], hosts: list[str]) -> str | None:
+    """Return the gateway's host: the one the service names, else its first node."""
+    gateway = service.get("gateway") or {}
+    if gateway.get("host"):
+        return str(gateway["host"])
+    nodes = service_hosts(service, hostvars, hosts)
+    return nodes[0] if nodes else None
+
+
+def node_gpus(hostvars: Mapping[str, Any], host: str) -> list[dict[str, Any]] | None:
+    """Return the node's GPUs from gpu_facts (None without facts), in nvidia-smi (NVML) order."""
+    gpus = _fact(_host_vars(hostvars, host), "budgetgpu_gpus")
+    if not isinstance(gpus, Mapping):
+        return None
+    return sorted((dict(g) for g in gpus.get("gpus") or [] if isinstance(g, Mapping)), key=lambda g: g.get("index", 0))
+
+
+def node_address(hostvars: Mapping[str, Any], host: str) -> str:
+    """Return the node's cluster address (net_facts), else its ansible_host, else its name."""
+    hv = _host_vars(hostvars, host)
+    net = _fact(hv, "budgetgpu_net")
+    cluster_if = net.get("cluster_interface") if isinstance(net, Mapping) else None
+    if isinstance(cluster_if, Mapping) and cluster_if.get("address"):
+        return str(cluster_if["address"])
+    return str(hv.get("ansible_host") or host)
+
+
+def _job_runs_on(job: Mapping[str, Any], hostvars: Mapping[str, Any], host: str) -> bool:
+    return _in_group(_host_vars(hostvars, host), str(job.get("nodes")))
+
+
+def training_gpus(jobs: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], host: str) -> dict[int, str]:
+    """Return {GPU index: job name} of the GPUs started, enabled training jobs use on host: a job's
+    nproc_per_node processes take GPUs 0..n-1 ("gpu": all of them)."""
+    claimed: dict[int, str] = {}
+    node = node_info(_host_vars(hostvars, host), host)
+    for job in jobs or []:
+        if job.get("state", "started") != "started" or job.get("enabled", True) is False:
+            continue
+        if not _job_runs_on(job, hostvars, host):
+            continue
+        for index in range(job_nproc(job, node) or 0):
+            claimed.setdefault(index, str(job.get("name")))
+    return claimed
+
+
+def _wanted_gpus(service: Mapping[str, Any], host: str) -> Any:
+    gpus = service.get("gpus")
+    if isinstance(gpus, Mapping):
+        return gpus.get(host)
+    return gpus
+
+
+def _gpu_label(host: str, gpu: Mapping[str, Any]) -> str:
+    return f"{host} GPU {gpu.get('index')} ({gpu.get('name') or 'unknown model'}, {gpu.get('memory_total_mib')} MiB)"
+
+
+def _placement(
+    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, jobs: list[Mapping[str, Any]] | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Return (the GPUs that serve the service on host, the problems of that choice)."""
+    name, gpus = service.get("name"), node_gpus(hostvars, host)
+    where = f"{host}: service {name}"
+    if gpus is None:
+        return [], [f"{where}: gpus: found no GPU facts, expected budgetgpu_gpus from gpu_facts (run the probe first)"]
+    wanted = _wanted_gpus(service, host)
+    if wanted is None:
+        return [], [f"{where}: gpus: found no entry for {host}, expected auto or a list of GPU indices for every node"]
+    claimed = training_gpus(jobs, hostvars, host)
+    if wanted == "auto":
+        chosen = [g for g in gpus if g.get("index") not in claimed]
+        if chosen:
+            return chosen, []
+        if not gpus:
+            return [], [f"{where}: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"]
+        taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items()))
+        return [], [f"{where}: gpus: found auto and no GPU left (training jobs use {taken}), expected a free GPU"]
+    by_index, chosen, problems = {g.get("index"): g for g in gpus}, [], []
+    for index in (_as_int(i) for i in wanted):
+        if index not in by_index:
+            known = ", ".join(str(i) for i in sorted(by_index)) or "none"
+            problems.append(f"{where}: gpus: found GPU {index}, expected a GPU index of {host} ({known})")
+        elif index in claimed:
+            job = claimed[index]
+            problems.append(
+                f"{_gpu_label(host, by_index[index])}: service {name}: gpus: found GPU {index}, which training job "
+                f"{job} uses (nproc_per_node), expected a GPU no started training job uses (or gpus: auto)"
+            )
+        else:
+            chosen.append(by_index[index])
+    return chosen, problems
+
+
+def _workers(
+    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpus: list[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    address, name, port = node_address(hostvars, host), str(service.get("name")), service.get("port")
+    return [
+        {
+            "service": name,
+            "host": host,
+            "slot": slot,
+            "gpu_index": gpu.get("index"),
+            "gpu_uuid": gpu.get("uuid"),
+            "port": port + slot,
+            "address": address,
+            "unit": unit_name(name, slot),
+        }
+        for slot, gpu in enumerate(gpus)
+    ]
+
+
+def inference_workers(
+    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, jobs: list[Mapping[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Return the workers of the service on host, one per GPU ([] where host is not a node of it):
+    {service, host, slot, gpu_index, gpu_uuid, port, address, unit}. Slot i listens on port + i."""
+    if not serves_on(service, hostvars, host):
+        return []
+    gpus, problems = _placement(service, hostvars, host, jobs)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return _workers(service, hostvars, host, gpus)
+
+
+def inference_upstreams(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None = None,
+) -> list[str]:
+    """Return "address:port" of every worker of every node of the service, in inventory order."""
+    return [
+        endpoint(worker["address"], worker["port"])
+        for host in service_hosts(service, hostvars, hosts)
+        for worker in inference_workers(service, hostvars, host, jobs)
+    ]
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+def _config_int(config: Mapping[str, Any], *names: str, default: Any = None) -> int:
+    for name in names:
+        value = config.get(name)
+        if _is_int(value) and value > 0:
+            return value
+    if default is not None:
+        return default
+    raise ValueError(f"config.json: found no {' or '.join(names)}, expected a positive number")
+
+
+def model_shape(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the shape of a BERT, GPT-2 or Llama-style model from its config.json."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config.json: found {type(config).__name__}, expected a JSON object")
+    # Multimodal and some newer configs keep the language model's numbers under text_config.
+    if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
+        config = {**config["text_config"], **{k: v for k, v in config.items() if k != "text_config"}}
+    kind = str(config.get("model_type") or "")
+    gated = kind in GATED_MODELS or (not kind and config.get("hidden_act") in ("silu", "swish"))
+    hidden = _config_int(config, "hidden_size", "n_embd", "d_model")
+    heads = _config_int(config, "num_attention_heads", "n_head")
+    return {
+        "model_type": kind or "unknown",
+        "hidden": hidden,
+        "layers": _config_int(config, "num_hidden_layers", "n_layer"),
+        "heads": heads,
+        "kv_heads": _config_int(config, "num_key_value_heads", default=heads),
+        "head_dim": _config_int(config, "head_dim", default=hidden // heads),
+        "intermediate": _config_int(config, "intermediate_size", "n_inner", default=4 * hidden),
+        "vocab": _config_int(config, "vocab_size"),
+        # Llama-style models use rotary positions (no parameters); BERT and GPT-2 learn them.
+        "positions": 0 if gated else _config_int(config, "max_position_embeddings", "n_positions", default=0),
+        "token_types": 0 if gated else _config_int(config, "type_vocab_size", default=0),
+        "gated": gated,
+        "tied": bool(config.get("tie_word_embeddings", kind not in UNTIED_MODELS)),
+    }
+
+
+def model_parameters(shape: Mapping[str, Any]) -> int:
+    """Return the parameter count of a model shape (model_shape): embeddings, per layer attention
+    (q, k, v, o), the MLP (gated: 3 matrices, else 2), norms and biases, and an untied output layer."""
+    h, kv = shape["hidden"], shape["kv_heads"] * shape["head_dim"]
+    attention = h * shape["heads"] * shape["head_dim"] * 2 + h * kv * 2
+    mlp = (3 if shape["gated"] else 2) * h * shape["intermediate"]
+    # Gated: two RMSNorm weights, no biases; else the q/k/v/o and MLP biases and two LayerNorms.
+    extras = 2 * h if shape["gated"] else 4 * h + shape["intermediate"] + h + 4 * h
+    embeddings = (shape["vocab"] + shape["positions"] + shape["token_types"]) * h
+    output = 0 if shape["tied"] else shape["vocab"] * h
+    return embeddings + shape["layers"] * (attention + mlp + extras) + output + 2 * h
+
+
+def _gib(value: float) -> str:
+    """Bytes in GiB, or in MiB below 1 GiB."""
+    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.0f} MiB"
+
+
+def inference_memory_need(service: Mapping[str, Any], model_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Return what one worker of the service holds on its GPU, in bytes: the weights (parameters x
+    bytes per parameter of the dtype, or of the quantisation), for generation the KV cache
+    (2 x layers x kv_heads x head_dim x (max_input_tokens + max_new_tokens) x concurrency x bytes of
+    the dtype, never below 2: quantised weights compute in float16), and the CUDA context; `text`
+    says the arithmetic. Activations are not counted: the figure is the least a worker needs."""
+    shape = model_shape(model_config)
+    params = model_parameters(shape)
+    quant, dtype = service.get("quantization") or "none", service.get("dtype") or "float16"
+    per_param = QUANT_BYTES.get(quant) or DTYPE_BYTES.get(dtype, 2.0)
+    weights = int(params * per_param)
+    kv_cache = 0
+    if service.get("task") == "generation":
+        tokens = int(service.get("max_input_tokens") or 0) + int(service.get("max_new_tokens") or 0)
+        per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * max(DTYPE_BYTES.get(dtype, 2.0), 2)
+        kv_cache = int(per_token * tokens * int(service.get("concurrency") or 1))
+    total = weights + kv_cache + CUDA_CONTEXT_BYTES
+    unit = quant if quant in QUANT_BYTES else dtype
+    text = f"{params / 1e9:.1f}e9 params x {per_param:g} B ({unit}) = {_gib(weights)}"
+    if params < 1e9:
+        text = f"{params / 1e6:.1f}e6 params x {per_param:g} B ({unit}) = {_gib(weights)}"
+    if kv_cache:
+        text += f" + KV cache {_gib(kv_cache)}"
+    text += f" + {_gib(CUDA_CONTEXT_BYTES)} CUDA context"
+    return {
+        "params": params,
+        "bytes_per_param": per_param,
+        "weights_bytes": weights,
+        "kv_cache_bytes": kv_cache,
+        "overhead_bytes": CUDA_CONTEXT_BYTES,
+        "total_bytes": total,
+        "text": f"{_gib(total)} ({text})",
+    }
+
+
+# --- the placement checks ---------------------------------------------------------------------------
+
+
+def _capability(value: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(value).split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _gpu_problems(
+    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpu: Mapping[str, Any], need: Any
+) -> list[str]:
+    """Memory and quantisation of one GPU that serves the service."""
+    name, quant, problems = service.get("name"), service.get("quantization"), []
+    label = f"{_gpu_label(host, gpu)}: service {name}"
+    memory = gpu.get("memory_total_mib")
+    if isinstance(need, Mapping) and _is_int(memory) and need["total_bytes"] > memory * 2**20:
+        problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}")
+    if quant not in QUANT_BYTES:
+        return problems
+    if str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on"):
+        problems.append(
+            f"{label}: quantization: found {quant} on a simulated node (no CUDA), expected none: bitsandbytes "
+            f"8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more (the real-GPU path)"
+        )
+        return problems
+    capability = _capability(gpu.get("compute_capability"))
+    if capability is not None and capability < QUANT_MIN_CAPABILITY:
+        problems.append(
+            f"{label}: quantization: found {quant} on compute capability {gpu.get('compute_capability')}, "
+            f"expected compute capability 7.5 or more (bitsandbytes), or quantization none"
+        )
+    return problems
+
+
+def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -> tuple[Any, list[str]]:
+    """Return (the memory need or None, the model's problems) for the service's model_configs entry."""
+    name = service.get("name")
+    if name not in (model_configs or {}):
+        return None, []
+    config = model_configs[name]
+    where = f"control node: service {name}: model"
+    if config in (None, ""):
+        return None, [
+            f"{where}: found no {service.get('model')}/config.json on the control node, "
+            f"expected a Hugging Face model directory (config.json, weights, tokenizer)"
+        ]
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as error:
+            return None, [f"{where}: found {service.get('model')}/config.json that is not JSON ({error})"]
+    try:
+        return inference_memory_need(service, config), []
+    except ValueError as error:
+        return None, [f"{where}: {service.get('model')}/{error}"]
+
+
+def _service_problems(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None,
+    model_configs: Mapping[str, Any],
+    unprobed_ok: bool = False,
+) -> tuple[list[str], dict[tuple[str, int], list[str]]]:
+    """Return (problems, {(host, GPU index): [service]}) of one service on all of its nodes."""
+    name, problems, claims = service.get("name"), [], {}
+    nodes = service_hosts(service, hostvars, hosts)
+    if not nodes:
+        problems.append(f"all: service {name}: nodes: found {service.get('nodes')!r} with no host, expected hosts")
+    for host in [h for h in nodes if h not in hosts]:
+        problems.append(f"{host}: service {name}: nodes: found {host}, expected a host of the inventory")
+    gpus = service.get("gpus")
+    for host in sorted(set(gpus) - set(nodes)) if isinstance(gpus, Mapping) else []:
+        problems.append(f"{host}: service {name}: gpus: found an entry for {host}, expected nodes of the service")
+    gateway = inference_gateway_host(service, hostvars, hosts)
+    if gateway is not None and gateway not in hosts:
+        problems.append(f"{gateway}: service {name}: gateway.host: found {gateway}, expected a host of the inventory")
+    need, model_problems = _memory_need(service, model_configs)
+    problems += model_problems
+    for host in (h for h in nodes if h in hosts):
+        chosen, placement_problems = _placement(service, hostvars, host, jobs)
+        if not (unprobed_ok and node_gpus(hostvars, host) is None):
+            problems += placement_problems
+        for gpu in chosen:
+            claims.setdefault((host, gpu.get("index")), []).append(str(name))
+            problems += _gpu_problems(service, hostvars, host, gpu, need)
+    return problems, claims
+
+
+def _port_owners(
+    services: list[Mapping[str, Any]],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None,
+) -> dict[str, list[tuple[int, int, str]]]:
+    """Return {host: [(first port, last port, owner)]}: each service's worker range, each gateway
+    port, each training job's port (rendezvous) on the nodes of that job."""
+    owners: dict[str, list[tuple[int, int, str]]] = {}
+    for service in services:
+        name = service.get("name")
+        for host in (h for h in service_hosts(service, hostvars, hosts) if h in hosts):
+            count = len(_placement(service, hostvars, host, jobs)[0])
+            if count:
+                port = service["port"]
+                owners.setdefault(host, []).append((port, port + count - 1, f"service {name} workers"))
+        gateway = inference_gateway_host(service, hostvars, hosts)
+        if gateway in hosts:
+            port = service["gateway"]["port"]
+            owners.setdefault(gateway, []).append((port, port, f"service {name} gateway"))
+    for job in jobs or []:
+        if job.get("state") == "absent" or not _is_int(job.get("port")):
+            continue
+        for host in (h for h in hosts if _job_runs_on(job, hostvars, h)):
+            owners.setdefault(host, []).append((job["port"], job["port"], f"training job {job.get('name')}"))
+    return owners
+
+
+def _port_problems(owners: Mapping[str, list[tuple[int, int, str]]]) -> list[str]:
+    problems = []
+    for host in sorted(owners):
+        ranges = owners[host]
+        for i, (first, last, owner) in enumerate(ranges):
+            for other_first, other_last, other in ranges[:i]:
+                if first <= other_last and other_first <= last and "training job" not in owner:
+                    problems.append(_port_clash(host, (first, last, owner), (other_first, other_last, other)))
+                elif first <= other_last and other_first <= last:
+                    problems.append(_port_clash(host, (other_first, other_last, other), (first, last, owner)))
+    return problems
+
+
+def _port_clash(host: str, mine: tuple[int, int, str], theirs: tuple[int, int, str]) -> str:
+    def span(first: int, last: int) -> str:
+        return str(first) if first == last else f"{first}-{last}"
+
+    field = "gateway.port" if mine[2].endswith("gateway") else "port"
+    return (
+        f"{host}: {mine[2]}: {field}: found {span(*mine[:2])}, expected ports apart from "
+        f"{span(*theirs[:2])} ({theirs[2]} on {host}); a service's workers use port .. port + GPUs - 1"
+    )
+
+
+def inference_check(
+    services: list[Mapping[str, Any]],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None = None,
+    model_configs: Mapping[str, Any] | None = None,
+    unprobed_ok: bool = False,
+) -> list[str]:
+    """Return the placement problems of the normalised services (inference_services_normalize), each
+    naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
+    that a training job or another service uses, port clashes, a missing model directory or
+    config.json, a quantisation the GPU cannot run, no GPU left, hosts not in the inventory.
+
+    hosts: the inventory's hosts (groups.all); jobs: budgetgpu_jobs; model_configs: service name ->
+    its parsed config.json (or its text), None where the control node has none; a service not in
+    model_configs is not checked for memory.
+    unprobed_ok: a node without GPU facts is left out instead of refused (safe mode: the nightly
+    run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
+    """
+    active = [s for s in services or [] if s.get("state") != "absent"]
+    problems, claims = [], {}
+    for service in active:
+        service_problems, service_claims = _service_problems(
+            service, hostvars, hosts, jobs, model_configs or {}, unprobed_ok
+        )
+        problems += service_problems
+        for key, names in service_claims.items():
+            claims.setdefault(key, []).extend(names)
+    for (host, index), names in sorted(claims.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        if len(names) > 1:
+            gpu = next((g for g in node_gpus(hostvars, host) or [] if g.get("index") == index), {"index": index})
+            problems.append(
+                f"{_gpu_label(host, gpu)}: service {names[1]}: gpus: found GPU {index}, which service {names[0]} "
+                f"uses too, expected one service per GPU (give each service its own gpus list)"
+            )
+    problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
+    return problems
+
+
+# --- a worker's command -----------------------------------------------------------------------------
+
+
+def inference_worker_command(
+    service: Mapping[str, Any],
+    worker: Mapping[str, Any],
+    python: str | None = None,
+    worker_script: str | None = None,
+) -> list[str]:
+    """Return the argv of a worker's ExecStart. builtin: <python> <worker_script> --config
+    <config_file> --port P --host A --worker-id <host>-<slot> (python: <venv>/bin/python3).
+    command: the service's command with its placeholders filled, each value shell-quoted, split
+    like a shell would (shlex)."""
+    if service.get("engine") == "command":
+        values = {
+            "model": service.get("model_dir"),
+            "port": worker.get("port"),
+            "host": worker.get("address"),
+            "name": service.get("name"),
+            "max_input_tokens": service.get("max_input_tokens"),
+            "max_new_tokens": service.get("max_new_tokens"),
+            "dtype": service.get("dtype"),
+            "gpu_uuid": worker.get("gpu_uuid"),
+            "slot": worker.get("slot"),
+        }
+        problems = _bad_engine(service)
+        if problems:
+            raise ValueError(f"service {service.get('name')}: {problems[0]}")
+        return shlex.split(str(service["command"]).format(**{k: shlex.quote(str(v)) for k, v in values.items()}))
+    if not worker_script:
+        raise ValueError(f"service {service.get('name')}: worker_script: found none, expected the worker's path")
+    python = python or f"{str(service.get('venv') or SERVICE_DEFAULTS['venv']).rstrip('/')}/bin/python3"
+    return [
+        str(python),
+        str(worker_script),
+        "--config",
+        str(service.get("config_file")),
+        "--port",
+        str(worker.get("port")),
+        "--host",
+        str(worker.get("address")),
+        "--worker-id",
+        f"{worker.get('host')}-{worker.get('slot')}",
+    ]

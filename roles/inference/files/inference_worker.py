@@ -1,0 +1,958 @@
+#!/usr/bin/env python3
+"""budgetgpu's built-in inference worker: one process per GPU with an OpenAI-compatible API.
+
+    python inference_worker.py --config FILE.json --port N --host ADDR --worker-id ID
+
+The config (JSON) holds name, model_dir, task (embeddings | generation), dtype, quantization,
+max_new_tokens, max_input_tokens, concurrency, queue and timeout_s. The model loads once, from
+the local directory only, onto cuda:0 (the unit pins the GPU with CUDA_VISIBLE_DEVICES) or the
+CPU on a simulated node. At most `concurrency` requests run and `queue` wait; beyond that a
+request gets 503 with Retry-After at once. A request past timeout_s gets 504 and its work stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import struct
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+# No hub access at run time: the model directory was copied from the control node.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from fastapi import FastAPI, Request  # noqa: E402  (the environment above must come first)
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+LOG = logging.getLogger("budgetgpu.inference_worker")
+TASKS = ("embeddings", "generation")
+DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+EMBED_BATCH = 32
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/embeddings",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/health",
+    "/metrics",
+)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ConfigError(Exception):
+    """The config file or the node cannot run this worker (exit code 2)."""
+
+
+class WorkCancelled(Exception):
+    """The request's work stopped because it ran past its deadline or its client left."""
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None, headers=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    model_dir: str
+    task: str
+    dtype: str = "float16"
+    quantization: str = "none"
+    max_new_tokens: int = 256
+    max_input_tokens: int = 2048
+    concurrency: int = 1
+    queue: int = 8
+    timeout_s: float = 120.0
+
+
+_MINIMUMS = {"max_new_tokens": 1, "max_input_tokens": 1, "concurrency": 1, "queue": 0}
+_CHOICES = {"task": TASKS, "dtype": DTYPES, "quantization": QUANTIZATIONS}
+
+
+def load_config(path: str) -> WorkerConfig:
+    """The worker's config from a JSON file; ConfigError names the file and the field."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config {path} is not JSON: {exc}") from None
+    return parse_config(raw, path)
+
+
+def parse_config(raw: Any, source: str = "config") -> WorkerConfig:
+    """Check every field; keys the worker does not use (a role may write more) are ignored."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object, found {type(raw).__name__}")
+    for key in ("name", "model_dir", "task"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise ConfigError(f"{source}: {key} is missing or not a string")
+    for key, choices in _CHOICES.items():
+        if key in raw and raw[key] not in choices:
+            raise ConfigError(f"{source}: {key} is {raw[key]!r}, expected one of {', '.join(choices)}")
+    for key, least in _MINIMUMS.items():
+        value = raw.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{source}: {key} is {value!r}, expected an integer >= {least}")
+    timeout = raw.get("timeout_s", 120)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+        raise ConfigError(f"{source}: timeout_s is {timeout!r}, expected a number of seconds > 0")
+    model_dir = Path(raw["model_dir"])
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{source}: model_dir {model_dir} has no config.json: copy the model directory there")
+    known = {k: raw[k] for k in WorkerConfig.__dataclass_fields__ if k in raw}
+    return WorkerConfig(**{**known, "timeout_s": float(timeout)})
+
+
+def check_device(config: WorkerConfig, cuda: bool) -> None:
+    """8bit/4bit run through bitsandbytes on CUDA only: refuse them on a CPU node."""
+    if config.quantization != "none" and not cuda:
+        raise ConfigError(
+            f"{config.name}: quantization {config.quantization} needs a CUDA GPU (bitsandbytes) "
+            "and this node has none: set quantization: none"
+        )
+
+
+# ---------------------------------------------------------------- the model
+
+
+@dataclass
+class GenerationParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    seconds: float
+
+
+class Cancel:
+    """A request's stop signal, read by the generation loop between tokens: set, or past the deadline."""
+
+    def __init__(self, deadline: float) -> None:
+        self.event = threading.Event()
+        self.deadline = deadline
+
+    def set(self) -> None:
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set() or time.monotonic() >= self.deadline
+
+    def remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.0)
+
+
+def _stopping_criteria(cancel: Cancel):
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class CancelCriteria(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([CancelCriteria()])
+
+
+class Engine:
+    """A loaded tokenizer and model on one device; the blocking calls run in worker threads."""
+
+    def __init__(self, config: WorkerConfig, tokenizer, model, device: str) -> None:
+        self.config, self.tokenizer, self.model, self.device = config, tokenizer, model, device
+        self.load_seconds = 0.0
+        self.memory_bytes = 0
+
+    @property
+    def positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def input_limit(self) -> tuple[int, str]:
+        """The most input tokens a request may send, and where that limit comes from."""
+        limit, source = self.config.max_input_tokens, "max_input_tokens"
+        room = self.positions if self.config.task == "embeddings" else (self.positions or 0) - 1
+        if self.positions and room < limit:
+            limit, source = room, f"the model's {self.positions} positions"
+        return limit, source
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=self.config.task == "embeddings")["input_ids"])
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def embed(self, texts: list[str], cancel: Cancel) -> tuple[list[list[float]], int]:
+        """Mean-pooled, L2-normalised sentence vectors (the sentence-transformers recipe)."""
+        import torch
+
+        vectors: list[list[float]] = []
+        tokens = 0
+        limit = self.input_limit()[0]
+        for start in range(0, len(texts), EMBED_BATCH):
+            if cancel.is_set():
+                raise WorkCancelled("embedding stopped")
+            batch = self.tokenizer(
+                texts[start : start + EMBED_BATCH], padding=True, truncation=True, max_length=limit, return_tensors="pt"
+            ).to(self.device)
+            with torch.inference_mode():
+                hidden = self.model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            vectors += torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu().tolist()
+            tokens += int(batch["attention_mask"].sum())
+        return vectors, tokens
+
+    def generate(self, ids: list[int], params: GenerationParams, cancel: Cancel, streamer=None) -> GenerationResult:
+        """Run generate() until max_new_tokens, an end token, a stop string or the cancel signal."""
+        import torch
+
+        start = time.monotonic()
+        inputs = torch.tensor([ids], device=self.device)
+        kwargs: dict[str, Any] = {
+            "attention_mask": torch.ones_like(inputs),
+            "max_new_tokens": params.max_new_tokens,
+            "stopping_criteria": _stopping_criteria(cancel),
+            "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+            "streamer": streamer,
+        }
+        if params.temperature > 0:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if params.stop:
+            kwargs.update(stop_strings=params.stop, tokenizer=self.tokenizer)
+        with torch.inference_mode():
+            output = self.model.generate(inputs, **kwargs)
+        if cancel.is_set():
+            raise WorkCancelled("generation stopped")
+        new = output[0, len(ids) :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        finish = "length" if len(new) >= params.max_new_tokens else "stop"
+        for stop in params.stop:
+            if stop in text:
+                text, finish = text[: text.index(stop)], "stop"
+        return GenerationResult(text, len(ids), len(new), finish, time.monotonic() - start)
+
+
+def _torch_dtype(config: WorkerConfig, device: str):
+    import torch
+
+    if device == "cpu":
+        return torch.float32
+    return getattr(torch, config.dtype)
+
+
+def _quantization_config(config: WorkerConfig, dtype):
+    from transformers import BitsAndBytesConfig
+
+    if config.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_type="nf4")
+
+
+def load_engine(config: WorkerConfig) -> Engine:
+    """Load the tokenizer and model once, from the local directory only, and say what it cost."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line in the journal, not a progress bar per load
+    start = time.monotonic()
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    check_device(config, device != "cpu")
+    dtype = _torch_dtype(config, device)
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if config.quantization != "none":
+        kwargs.update(quantization_config=_quantization_config(config, dtype), device_map={"": 0})
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    model_class = AutoModel if config.task == "embeddings" else AutoModelForCausalLM
+    model = model_class.from_pretrained(config.model_dir, **kwargs)
+    if config.quantization == "none":
+        model = model.to(device)
+    model.eval()
+    engine = Engine(config, tokenizer, model, device)
+    _warm_up(engine)
+    engine.load_seconds = time.monotonic() - start
+    LOG.info(_load_line(engine, dtype))
+    return engine
+
+
+def _warm_up(engine: Engine) -> None:
+    """One small pass at load, so that the first request does not pay for lazy initialisation."""
+    cancel = Cancel(time.monotonic() + 300)
+    if engine.config.task == "embeddings":
+        engine.embed(["warm up"], cancel)
+    else:
+        ids = engine.encode("warm up") or [engine.tokenizer.eos_token_id or 0]
+        engine.generate(ids, GenerationParams(max_new_tokens=1, temperature=0.0), cancel)
+
+
+def _load_line(engine: Engine, dtype) -> str:
+    import torch
+
+    config = engine.config
+    what = f"{config.name}: loaded {config.task} model {config.model_dir} in {engine.load_seconds:.2f} s"
+    if engine.device == "cpu":
+        engine.memory_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        note = "" if config.dtype == "float32" else f" (asked {config.dtype}: CPU runs float32)"
+        return f"{what} on CPU, {engine.memory_bytes / 2**20:.1f} MiB of parameters, float32{note}"
+    engine.memory_bytes = torch.cuda.memory_allocated(0)
+    quant = "" if config.quantization == "none" else f", {config.quantization} quantised"
+    name = torch.cuda.get_device_name(0)
+    return f"{what} on cuda:0 ({name}), {engine.memory_bytes / 2**20:.1f} MiB of GPU memory allocated, {dtype}{quant}"
+
+
+# ---------------------------------------------------------------- admission and metrics
+
+
+class Admission:
+    """At most `concurrency` requests run and `queue` wait; a slot frees when its work really ends."""
+
+    def __init__(self, concurrency: int, queue: int) -> None:
+        self.concurrency, self.queue = concurrency, queue
+        self.running = 0
+        self.waiting = 0
+        self._slots: asyncio.Semaphore | None = None
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        return self._slots
+
+    def admit(self) -> bool:
+        if self.running + self.waiting >= self.concurrency + self.queue:
+            return False
+        self.waiting += 1
+        return True
+
+    async def acquire(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._semaphore().acquire(), timeout)
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    def release(self) -> None:
+        self.running -= 1
+        self._semaphore().release()
+
+
+class Metrics:
+    """The worker's counters, written in the Prometheus text format."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.latency: dict[str, list[float]] = {}
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.generation_seconds = 0.0
+        self.tokens_per_second = 0.0
+        self.rejected = 0
+        self.timeouts = 0
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+        buckets = self.latency.setdefault(endpoint, [0.0] * (len(LATENCY_BUCKETS) + 2))
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                buckets[i] += 1
+        buckets[-2] += 1
+        buckets[-1] += seconds
+
+    def observe_generation(self, result: GenerationResult) -> None:
+        self.generated_tokens += result.completion_tokens
+        self.prompt_tokens += result.prompt_tokens
+        self.generation_seconds += result.seconds
+        if result.seconds > 0:
+            self.tokens_per_second = result.completion_tokens / result.seconds
+
+    def render(self, worker: WorkerState) -> str:
+        p = "budgetgpu_inference"
+        lines = [
+            f"# HELP {p}_requests_total Requests answered, by endpoint and HTTP status.",
+            f"# TYPE {p}_requests_total counter",
+        ]
+        lines += [
+            f'{p}_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())
+        ]
+        lines += [
+            f"# HELP {p}_request_duration_seconds Time from request to the end of the answer.",
+            f"# TYPE {p}_request_duration_seconds histogram",
+        ]
+        for endpoint, buckets in sorted(self.latency.items()):
+            for bound, count in zip(LATENCY_BUCKETS, buckets, strict=False):
+                lines.append(f'{p}_request_duration_seconds_bucket{{endpoint="{endpoint}",le="{bound}"}} {count:g}')
+            lines.append(f'{p}_request_duration_seconds_bucket{{endpoint="{endpoint}",le="+Inf"}} {buckets[-2]:g}')
+            lines.append(f'{p}_request_duration_seconds_count{{endpoint="{endpoint}"}} {buckets[-2]:g}')
+            lines.append(f'{p}_request_duration_seconds_sum{{endpoint="{endpoint}"}} {buckets[-1]:.6f}')
+        return "\n".join(lines + self._gauges(worker)) + "\n"
+
+    def _gauges(self, worker: WorkerState) -> list[str]:
+        p = "budgetgpu_inference"
+        engine = worker.engine
+        values = [
+            ("queue_depth", "gauge", "Requests waiting for a slot.", worker.admission.waiting),
+            ("in_flight", "gauge", "Requests whose model work is running.", worker.admission.running),
+            ("rejected_total", "counter", "Requests refused with 503 because the queue was full.", self.rejected),
+            ("timeouts_total", "counter", "Requests cancelled past timeout_s.", self.timeouts),
+            ("generated_tokens_total", "counter", "Tokens generated.", self.generated_tokens),
+            ("prompt_tokens_total", "counter", "Prompt tokens of generation requests.", self.prompt_tokens),
+            ("generation_seconds_total", "counter", "Seconds spent generating.", round(self.generation_seconds, 6)),
+            (
+                "tokens_per_second",
+                "gauge",
+                "Generation speed of the last finished request.",
+                round(self.tokens_per_second, 3),
+            ),
+            ("model_loaded", "gauge", "1 once the model is loaded.", int(engine is not None)),
+            (
+                "model_load_seconds",
+                "gauge",
+                "How long loading the model took.",
+                round(engine.load_seconds, 3) if engine else 0,
+            ),
+            (
+                "model_memory_bytes",
+                "gauge",
+                "GPU memory allocated (CPU: parameter bytes).",
+                engine.memory_bytes if engine else 0,
+            ),
+        ]
+        lines = []
+        for name, kind, text, value in values:
+            lines += [f"# HELP {p}_{name} {text}", f"# TYPE {p}_{name} {kind}", f"{p}_{name} {value}"]
+        return lines
+
+
+# ---------------------------------------------------------------- requests
+
+
+class EmbeddingRequest(BaseModel):
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class CompletionRequest(BaseModel):
+    prompt: str | list[str]
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(BaseModel):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+@dataclass
+class WorkerState:
+    config: WorkerConfig
+    worker_id: str
+    engine: Engine | None = None
+    load_error: str | None = None
+    on_load_failure: Callable[[], None] | None = None
+    admission: Admission = field(init=False)
+    metrics: Metrics = field(default_factory=Metrics)
+    executor: ThreadPoolExecutor = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.config.concurrency, self.config.queue)
+        self.executor = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="model")
+
+    def require_engine(self, task: str, model: str | None) -> Engine:
+        if self.engine is None:
+            state = f"failed to load: {self.load_error}" if self.load_error else "still loading"
+            raise ApiError(
+                503, f"model {self.config.name} is {state}", "service_unavailable", headers={"Retry-After": "1"}
+            )
+        if model is not None and model != self.config.name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist here: this worker serves {self.config.name!r}",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        if self.config.task != task:
+            raise ApiError(
+                400,
+                f"model {self.config.name} serves {self.config.task}, not {task}",
+                "invalid_request_error",
+                "wrong_task",
+            )
+        return self.engine
+
+
+def _too_long(engine: Engine, count: int, what: str) -> None:
+    limit, source = engine.input_limit()
+    if count > limit:
+        raise ApiError(
+            400,
+            f"{what} has {count} tokens; this model takes at most {limit} ({source})",
+            "invalid_request_error",
+            "context_length_exceeded",
+        )
+
+
+async def _enter(state: WorkerState) -> Cancel:
+    """A slot for the request, or 503 at once when `queue` requests already wait."""
+    admission = state.admission
+    if not admission.admit():
+        state.metrics.rejected += 1
+        message = (
+            f"worker {state.worker_id} is full: {admission.running} running, {admission.waiting} waiting "
+            f"(concurrency {admission.concurrency}, queue {admission.queue}): retry shortly"
+        )
+        raise ApiError(503, message, "overloaded_error", "queue_full", headers={"Retry-After": "1"})
+    cancel = Cancel(time.monotonic() + state.config.timeout_s)
+    try:
+        await admission.acquire(cancel.remaining())
+    except TimeoutError:
+        state.metrics.timeouts += 1
+        raise _timeout_error(state, "waiting in the queue") from None
+    return cancel
+
+
+def _timeout_error(state: WorkerState, where: str) -> ApiError:
+    return ApiError(
+        504,
+        f"request ran past timeout_s={state.config.timeout_s:g} s {where} and was cancelled",
+        "timeout_error",
+        "timeout",
+    )
+
+
+async def _run(state: WorkerState, work: Callable[[Cancel], Any]) -> tuple[asyncio.Future, Cancel]:
+    """Start the request's model work in the worker's thread pool; its slot frees when the work ends."""
+    cancel = await _enter(state)
+    loop = asyncio.get_running_loop()
+    try:
+        future = loop.run_in_executor(state.executor, work, cancel)
+    except BaseException:
+        state.admission.release()
+        raise
+
+    def done(fut: asyncio.Future) -> None:
+        state.admission.release()
+        if not fut.cancelled():
+            fut.exception()  # retrieved here so an abandoned failure does not warn
+
+    future.add_done_callback(done)
+    return future, cancel
+
+
+async def _finish(state: WorkerState, future: asyncio.Future, cancel: Cancel) -> Any:
+    """The work's result, or 504 (and the work told to stop) once the deadline passes."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), cancel.remaining())
+    except (TimeoutError, WorkCancelled):
+        cancel.set()
+        state.metrics.timeouts += 1
+        raise _timeout_error(state, "running") from None
+    except asyncio.CancelledError:
+        cancel.set()
+        raise
+
+
+def _usage(prompt: int, completion: int | None = None) -> dict[str, int]:
+    if completion is None:
+        return {"prompt_tokens": prompt, "total_tokens": prompt}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _encode_vector(vector: list[float], encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector
+
+
+# ---------------------------------------------------------------- generation answers
+
+
+@dataclass
+class Reply:
+    """How one generation request answers: completion or chat, whole or streamed."""
+
+    chat: bool
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        return {"id": prefix + self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, result: GenerationResult) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None}
+        choice["finish_reason"] = result.finish_reason
+        usage = _usage(result.prompt_tokens, result.completion_tokens)
+        return {**self._head(False), "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+        return {**self._head(True), "choices": [], "usage": _usage(result.prompt_tokens, result.completion_tokens)}
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+def _streamer(engine: Engine, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+    """A transformers streamer that hands each piece of decoded text to the event loop."""
+    from transformers import TextStreamer
+
+    class LoopStreamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                _put(loop, queue, text)
+
+    return LoopStreamer(engine.tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+_END = object()
+
+
+def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+    # RuntimeError: the loop is gone because the server is stopping.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+async def _generate(state: WorkerState, engine: Engine, ids: list[int], params: GenerationParams, reply: Reply):
+    if not reply.stream:
+        future, cancel = await _run(state, lambda c: engine.generate(ids, params, c))
+        result = await _finish(state, future, cancel)
+        state.metrics.observe_generation(result)
+        return JSONResponse(reply.whole(result))
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    streamer = _streamer(engine, loop, queue)
+
+    def work(cancel: Cancel) -> GenerationResult:
+        try:
+            return engine.generate(ids, params, cancel, streamer)
+        finally:
+            _put(loop, queue, _END)
+
+    future, cancel = await _run(state, work)
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(
+        _events(state, reply, future, cancel, queue), media_type="text/event-stream", headers=headers
+    )
+
+
+async def _events(state: WorkerState, reply: Reply, future: asyncio.Future, cancel: Cancel, queue: asyncio.Queue):
+    """SSE chunks as the text comes; an error event and the end when the deadline passes."""
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk(role=True))
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), cancel.remaining())
+            except TimeoutError:
+                item = None
+            if item is _END:
+                break
+            if item is None or cancel.is_set():
+                state.metrics.timeouts += 1
+                yield _sse(_timeout_error(state, "streaming").response().body.decode())
+                return
+            yield _sse(reply.chunk(text=item))
+        async for tail in _stream_tail(state, reply, future):
+            yield tail
+    finally:
+        cancel.set()
+
+
+async def _stream_tail(state: WorkerState, reply: Reply, future: asyncio.Future) -> AsyncIterator[str]:
+    try:
+        result = await future
+    except WorkCancelled:
+        state.metrics.timeouts += 1
+        yield _sse(_timeout_error(state, "streaming").response().body.decode())
+        return
+    except Exception as exc:  # the stream has begun: the error goes in an event
+        LOG.exception("generation failed")
+        yield _sse(
+            {"error": {"message": f"generation failed: {exc}", "type": "server_error", "param": None, "code": None}}
+        )
+        return
+    state.metrics.observe_generation(result)
+    yield _sse(reply.chunk(finish=result.finish_reason))
+    if reply.include_usage:
+        yield _sse(reply.usage_chunk(result))
+    yield _sse("[DONE]")
+
+
+def _params(state: WorkerState, engine: Engine, req: CompletionRequest | ChatRequest, prompt_tokens: int):
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.max_new_tokens
+    room = (engine.positions or prompt_tokens + asked) - prompt_tokens
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    return GenerationParams(min(asked, state.config.max_new_tokens, room), temperature, top_p, stop)
+
+
+async def _serve_generation(state: WorkerState, req: CompletionRequest | ChatRequest, chat: bool):
+    engine = state.require_engine("generation", req.model)
+    if chat:
+        if not engine.has_chat_template():
+            raise ApiError(
+                400,
+                f"model {state.config.name} has no chat template: use /v1/completions",
+                "invalid_request_error",
+                "no_chat_template",
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise ApiError(400, "send one prompt per request", "invalid_request_error", "one_prompt")
+        prompt = prompts[0]
+    ids = engine.encode(prompt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "invalid_request_error", "empty_prompt")
+    _too_long(engine, len(ids), "the prompt")
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    reply = Reply(chat=chat, model=state.config.name, stream=req.stream, include_usage=include_usage)
+    return await _generate(state, engine, ids, _params(state, engine, req, len(ids)), reply)
+
+
+# ---------------------------------------------------------------- the app
+
+
+def _routes(api: FastAPI, state: WorkerState) -> None:
+    @api.get("/health")
+    async def health():
+        if state.engine is not None:
+            return {"status": "ok", "worker": state.worker_id, "model": state.config.name}
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status, "worker": state.worker_id}, 503, headers={"Retry-After": "1"})
+
+    @api.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(state), media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models():
+        card = {"id": state.config.name, "object": "model", "created": state.created, "owned_by": "budgetgpu"}
+        return {"object": "list", "data": [card]}
+
+    @api.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest):
+        engine = state.require_engine("embeddings", req.model)
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if not texts:
+            raise ApiError(400, "input is empty", "invalid_request_error", "empty_input")
+        for i, text in enumerate(texts):
+            _too_long(engine, engine.count_tokens(text), f"input {i}")
+        future, cancel = await _run(state, lambda c: engine.embed(texts, c))
+        vectors, tokens = await _finish(state, future, cancel)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        return {"object": "list", "data": data, "model": state.config.name, "usage": _usage(tokens)}
+
+    @api.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await _serve_generation(state, req, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        return await _serve_generation(state, req, chat=True)
+
+
+def _error_handlers(api: FastAPI) -> None:
+    @api.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
+        return ApiError(400, problems, "invalid_request_error").response()
+
+    @api.exception_handler(404)
+    async def not_found(request: Request, exc: Exception):
+        return ApiError(404, f"no route {request.url.path}", "invalid_request_error", "not_found").response()
+
+
+class WorkerApp:
+    """The ASGI app: FastAPI inside a layer that stamps X-Budgetgpu-Worker and counts every answer."""
+
+    def __init__(self, api: FastAPI, state: WorkerState) -> None:
+        self.api, self.state = api, state
+        self._header = (b"x-budgetgpu-worker", state.worker_id.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_stamped(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self._header]}
+            await send(message)
+
+        try:
+            await self.api(scope, receive, send_stamped)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.state.metrics.observe_request(endpoint, status[0], time.perf_counter() - start)
+
+
+async def _load_in_background(state: WorkerState) -> None:
+    try:
+        state.engine = await asyncio.to_thread(load_engine, state.config)
+    except Exception as exc:  # any load failure ends the worker with one line
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        print(
+            f"inference_worker {state.worker_id}: cannot load {state.config.model_dir}: {state.load_error}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if state.on_load_failure:
+            state.on_load_failure()
+
+
+def build_app(config: WorkerConfig, worker_id: str, engine: Engine | None = None) -> WorkerApp:
+    """The worker's app; without an engine it loads the model after start (/health says 503 meanwhile)."""
+    state = WorkerState(config, worker_id, engine)
+
+    @asynccontextmanager
+    async def lifespan(api: FastAPI):
+        task = asyncio.create_task(_load_in_background(state)) if state.engine is None else None
+        yield
+        if task is not None:
+            task.cancel()
+        state.executor.shutdown(wait=False, cancel_futures=True)
+
+    api = FastAPI(title=f"budgetgpu inference worker {config.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _error_handlers(api)
+    _routes(api, state)
+    return WorkerApp(api, state)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the worker's JSON config")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--worker-id", default=None, help="named in X-Budgetgpu-Worker (default host:port)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config)
+        if config.quantization != "none":
+            import torch
+
+            check_device(config, torch.cuda.is_available())
+    except ConfigError as exc:
+        print(f"inference_worker: {exc}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    import uvicorn
+
+    app = build_app(config, args.worker_id or f"{args.host}:{args.port}")
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, access_log=False, log_config=None, timeout_graceful_shutdown=5
+        )
+    )
+    app.state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    LOG.info(
+        f"{config.name}: worker {app.state.worker_id} listening on {args.host}:{args.port}, loading {config.model_dir}"
+    )
+    server.run()
+    return 1 if app.state.load_error or not server.started else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Role preflight checks the inference services through ansible-playbook, without Docker (fake nodes
+on a local connection, as test_preflight_role.py): the model's config.json is read on the control
+node, a placement that cannot work fails naming host, GPU, field, found and expected, and nothing is
+written on any node. The inventory's inference_* inputs are checked like every role's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inputs
+from test_preflight_role import RTX, fake_node, playbook
+
+REPO = Path(__file__).resolve().parents[3]
+LLAMA_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
+MINILM = {
+    "model_type": "bert",
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "intermediate_size": 1536,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+}
+
+
+def gpu_node(gpus: int = 2) -> dict:
+    node = fake_node(gpus)
+    for i, gpu in enumerate(node["fake_gpus"]["gpus"]):
+        gpu.update(uuid=f"GPU-3090000{i}", memory_total_mib=24576, compute_capability="8.6")
+    return node
+
+
+def model(tmp_path: Path, name: str, config: dict) -> str:
+    path = tmp_path / "models" / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def service(name: str, path: str, **keys) -> dict:
+    return {"name": name, "model": path, "task": "embeddings", "nodes": "gpu_nodes", **keys}
+
+
+def test_a_placement_that_cannot_work_fails_naming_each_problem_and_writes_nothing(tmp_path):
+    services = [
+        service("chat", model(tmp_path, "llama70", LLAMA_70B), task="generation", quantization="4bit", gpus=[0]),
+        service("embed", str(tmp_path / "models" / "nowhere"), gpus=[1], port=8200, gateway={"port": 8081}),
+    ]
+    nodes = {"fake1": gpu_node(), "fake2": gpu_node()}
+    proc = playbook(tmp_path, [], nodes, inference_services=services)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-3000:]
+    assert "preflight failed: nothing was changed on any node" in out
+    for line in (
+        f"FAIL fake1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 33.3 GiB (69.0e9 params x 0.5 B (4bit) "
+        "= 32.1 GiB + KV cache 720 MiB + 500 MiB CUDA context); expected at most 24.0 GiB",
+        f"FAIL fake2 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 33.3 GiB",
+        f"FAIL control node: service embed: model: found no {tmp_path}/models/nowhere/config.json on the control node",
+    ):
+        assert line in out, line
+    assert list((tmp_path / "written").iterdir()) == []
+
+
+def test_a_sound_placement_passes_beside_a_training_job(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('train')\n")
+    jobs = [{"name": "demo", "script": str(script), "nproc_per_node": 1, "user": "nobody"}]
+    services = [service("embed", model(tmp_path, "minilm", MINILM))]
+    proc = playbook(tmp_path, jobs, {"fake1": gpu_node(), "fake2": gpu_node()}, inference_services=services)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "inference placement passed: 1 services, embed" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "written").iterdir()) == ["fake1", "fake2"]
+    # The job's GPU 0 and the service's GPU 1 on each node: a GPU both claim is refused.
+    (tmp_path / "written").rename(tmp_path / "written-before")
+    services[0]["gpus"] = [0]
+    proc = playbook(tmp_path, jobs, {"fake1": gpu_node()}, inference_services=services)
+    assert proc.returncode != 0
+    assert (
+        f"FAIL fake1 GPU 0 ({RTX}, 24576 MiB): service embed: gpus: found GPU 0, which training job demo" in proc.stdout
+    )
+
+
+def test_a_bad_service_field_fails_naming_service_and_field(tmp_path):
+    services = [service("embed", model(tmp_path, "minilm", MINILM), quantization="4-bit")]
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, inference_services=services)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "inference_services[0] (embed): quantization: found '4-bit', expected one of none, 8bit, 4bit" in out
+    assert list((tmp_path / "written").iterdir()) == []
+
+
+OPTIONS, KNOWN = inputs.load_specs(str(REPO / "roles"))
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"inference_servics": []}, "inference_servics: no role knows this variable: did you mean inference_services?"),
+        ({"inference_services": {"name": "e"}}, "inference_services: expected a YAML list of mappings, found a map"),
+        ({"inference_services": "embed"}, "inference_services: expected a YAML list of mappings, found a string"),
+        ({"inference_service_defaults": "bfloat16"}, "node3: inference_service_defaults: expected dict"),
+    ],
+)  # fmt: skip
+def test_inference_inputs_are_checked_like_every_roles(variables, expected):
+    found = inputs.check_inputs("node3", variables, OPTIONS, KNOWN)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_good_inference_inputs_pass():
+    variables = {
+        # Fields are checked by preflight's inference check (naming service and field), not here.
+        "inference_services": [{"name": "embed", "model": "/srv/minilm", "task": "embeddings", "quantisation": "x"}],
+        "inference_service_defaults": {"dtype": "bfloat16"},
+        "inference_user": "alice",
+        "inference_gateway_allow": ["10.0.0.0/24"],
+    }
+    assert inputs.check_inputs("node3", variables, OPTIONS, KNOWN) == []

@@ -1,0 +1,644 @@
+"""The inference service model (plugins/plugin_utils/inference.py): services filled with their
+defaults and refused by field, workers placed on the GPUs no training job uses, the gateway's
+upstreams, the model's memory need against each GPU, port clashes, quantisation, the worker's argv.
+Each check is shown refusing a bad inventory and passing the mended one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as m
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_jobs_normalize
+
+REPO = Path(__file__).resolve().parents[2]
+RTX = "NVIDIA GeForce RTX 3090"
+
+# The shapes of real models' config.json (the numbers of the published files).
+LLAMA_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+LLAMA_7B = {
+    **LLAMA_70B,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+}
+MINILM = {  # sentence-transformers/all-MiniLM-L6-v2
+    "model_type": "bert",
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "intermediate_size": 1536,
+    "vocab_size": 30522,
+    "max_position_embeddings": 512,
+    "type_vocab_size": 2,
+    "hidden_act": "gelu",
+}
+GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
+
+
+def gpu(index: int, name: str = RTX, mib: int = 24576, cc: str = "8.6") -> dict:
+    return {
+        "index": index,
+        "name": name,
+        "uuid": f"GPU-3090000{index}-5a1e-4c0d-9b7e-00000000000{index}",
+        "memory_total_mib": mib,
+        "compute_capability": cc,
+    }
+
+
+def node(address: str, gpus: int = 4, groups: tuple = ("inference_nodes", "gpu_nodes"), **extra) -> dict:
+    return {
+        "group_names": list(groups),
+        "ansible_host": f"host-{address}",
+        "ansible_facts": {
+            "budgetgpu_gpus": {
+                "driver": {"state": "loaded", "version": "550.54.14"},
+                "count": gpus,
+                "gpus": [gpu(i, **extra.pop("gpu", {})) for i in range(gpus)],
+            },
+            "budgetgpu_net": {"cluster_interface": {"name": "eth1", "address": address}},
+        },
+        **extra,
+    }
+
+
+HOSTS = ["node1", "node2"]
+
+
+def hostvars(**overrides) -> dict:
+    hv = {"node1": node("10.0.0.11"), "node2": node("10.0.0.12")}
+    hv.update(overrides)
+    return hv
+
+
+def services(*items: dict, **kwargs) -> list[dict]:
+    return m.inference_services_normalize(list(items), **kwargs)
+
+
+def embed(**keys) -> dict:
+    return {"name": "embed", "model": "/srv/models/minilm", "task": "embeddings", **keys}
+
+
+def chat(**keys) -> dict:
+    return {"name": "chat", "model": "/srv/models/llama", "task": "generation", **keys}
+
+
+def check(items: list[dict], hv: dict | None = None, jobs: list | None = None, configs: dict | None = None) -> list:
+    return m.inference_check(items, hv or hostvars(), HOSTS, jobs or [], configs or {})
+
+
+def refused(*items, **kwargs) -> str:
+    with pytest.raises(ValueError) as error:
+        m.inference_services_normalize(list(items), **kwargs)
+    return str(error.value)
+
+
+# --- the defaults -----------------------------------------------------------------------------------
+
+
+def test_the_argument_spec_documents_the_service_defaults_of_the_model():
+    spec = yaml.safe_load((REPO / "roles/inference/meta/argument_specs.yml").read_text())
+    options = spec["argument_specs"]["main"]["options"]["inference_services"]["options"]
+    assert set(options) == m.SERVICE_KEYS
+    documented = {key: options[key].get("default") for key in m.SERVICE_DEFAULTS if key != "gateway"}
+    documented["gateway"] = {key: sub.get("default") for key, sub in options["gateway"]["options"].items()}
+    assert documented == m.SERVICE_DEFAULTS
+
+
+def test_role_defaults_and_argument_spec_name_the_same_variables():
+    spec = yaml.safe_load((REPO / "roles/inference/meta/argument_specs.yml").read_text())
+    defaults = yaml.safe_load((REPO / "roles/inference/defaults/main.yml").read_text())
+    assert set(defaults) == set(spec["argument_specs"]["main"]["options"])
+
+
+def test_service_keys_win_over_service_defaults_over_the_shared_settings():
+    got = services(
+        embed(),
+        chat(port=8200, gateway={"port": 9090}),
+        defaults={"dtype": "bfloat16", "port": 8300, "gateway": {"host": "node2"}},
+        user="alice",
+        venv="/srv/venv",
+    )
+    assert [(s["dtype"], s["port"], s["user"], s["venv"]) for s in got] == [
+        ("bfloat16", 8300, "alice", "/srv/venv"),
+        ("bfloat16", 8200, "alice", "/srv/venv"),
+    ]
+    # The gateway merges key by key: the service's port, the defaults' host, the built-in allow.
+    assert got[1]["gateway"] == {"host": "node2", "port": 9090, "allow": []}
+    assert got[0]["gateway"] == {"host": "node2", "port": 8080, "allow": []}
+    assert got[0]["quantization"] == "none" and got[0]["gpus"] == "auto"
+    assert got[0]["unit_template"] == "budgetgpu-infer-embed@.service"
+    assert got[0]["model_dir"] == "/var/lib/budgetgpu/models/embed"
+    assert got[0]["config_file"] == "/etc/budgetgpu/inference/embed.json"
+
+
+def test_numbers_given_as_strings_are_numbers():
+    got = services(embed(port="8200", concurrency="2", gateway={"port": "9000"}))[0]
+    assert (got["port"], got["concurrency"], got["gateway"]["port"]) == (8200, 2, 9000)
+
+
+def test_no_services_is_an_empty_list():
+    assert m.inference_services_normalize(None) == [] and m.inference_services_normalize([]) == []
+
+
+# --- what a tired person writes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (embed(), "inference_services: found dict"),
+        ("embed", "inference_services: found str 'embed', expected a list of services"),
+    ],
+)
+def test_services_that_are_not_a_list_are_refused_by_name(value, expected):
+    with pytest.raises(ValueError, match="expected a list of services") as error:
+        m.inference_services_normalize(value)
+    assert expected in str(error.value)
+
+
+def test_a_mapping_of_services_is_told_to_become_a_list():
+    with pytest.raises(ValueError, match="put a '-' before each service"):
+        m.inference_services_normalize(embed())
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        ({"model": "/m", "task": "embeddings"}, "inference_services[0]: name: found None, expected lower-case"),
+        (embed(name="My Service"), "name: found 'My Service', expected lower-case letters"),
+        ({"name": "embed", "task": "embeddings"}, "(embed): model: found None, expected a model directory"),
+        ({"name": "embed", "model": "/m"}, "(embed): task: found None, expected one of embeddings, generation"),
+        (embed(task="embedding"), "task: found 'embedding', expected one of embeddings, generation (did you mean"),
+        (embed(quantisation="4bit"), "quantisation: unknown key (did you mean quantization?)"),
+        (embed(quantization="4-bit"), "quantization: found '4-bit', expected one of none, 8bit, 4bit (did you mean"),
+        (embed(dtype="fp16"), "dtype: found 'fp16', expected one of float32, float16, bfloat16"),
+        (embed(port="eighty"), "port: found 'eighty', expected a whole number of 1 or more"),
+        (embed(port=70000), "port: found 70000, expected a TCP port from 1 to 65535"),
+        (embed(concurrency=0), "concurrency: found 0, expected a whole number of 1 or more"),
+        (embed(gpus="all"), "gpus: found 'all', expected auto, a list of GPU indices"),
+        (embed(gpus={"node1": "first"}), "gpus: found {'node1': 'first'}, expected for each host auto or a list"),
+        (embed(gateway={"hots": "node1"}), "gateway.hots: unknown key (did you mean host?)"),
+        (embed(gateway={"port": "http"}), "gateway.port: found 'http', expected a TCP port"),
+        (embed(gateway={"allow": "10.0.0.0/8"}), "gateway.allow: found '10.0.0.0/8', expected a list of CIDRs"),
+        (embed(user="root"), "user: found 'root', expected an unprivileged system user"),
+        (embed(nodes=""), "nodes: found '', expected an inventory group or a list of hosts"),
+        (embed(engine="vllm"), "engine: found 'vllm', expected one of builtin, command"),
+        (embed(engine="command"), "command: found '', expected an OpenAI-compatible server command with {port}"),
+        (embed(engine="command", command="vllm serve {model}"), "expected an OpenAI-compatible server command"),
+        (embed(engine="command", command="srv --port {port} --m {modle}"), "placeholder {modle} (did you mean model?)"),
+        (embed(command="vllm serve {model} --port {port}"), "command: found 'vllm serve"),
+    ],
+)
+def test_a_bad_field_is_refused_naming_service_field_found_and_expected(service, expected):
+    assert expected in refused(service)
+
+
+def test_every_bad_field_of_every_service_is_named_at_once():
+    message = refused(embed(quantization="4-bit"), chat(port="x"), embed())
+    assert "inference_services[0] (embed): quantization" in message
+    assert "inference_services[1] (chat): port" in message
+    assert "inference_services[2] (embed): name: found 'embed', expected a name no other service has" in message
+
+
+def test_an_unknown_key_in_the_service_defaults_is_refused():
+    assert "inference_service_defaults: quantisation: unknown key (did you mean quantization?)" in refused(
+        embed(), defaults={"quantisation": "4bit"}
+    )
+
+
+def test_the_mended_services_pass():
+    got = services(
+        embed(quantization="none", gpus={"node1": [0], "node2": "auto"}, gateway={"allow": ["10.0.0.0/24"]}),
+        chat(engine="command", command="vllm serve {model} --port {port}", nodes=["node1"]),
+    )
+    assert [s["name"] for s in got] == ["embed", "chat"]
+
+
+# --- workers and upstreams --------------------------------------------------------------------------
+
+
+def test_one_worker_per_gpu_pinned_by_uuid_on_its_own_port():
+    service = services(embed(gpus=[1, 3]))[0]
+    workers = m.inference_workers(service, hostvars(), "node1", [])
+    assert workers == [
+        {
+            "service": "embed",
+            "host": "node1",
+            "slot": 0,
+            "gpu_index": 1,
+            "gpu_uuid": "GPU-30900001-5a1e-4c0d-9b7e-000000000001",
+            "port": 8100,
+            "address": "10.0.0.11",
+            "unit": "budgetgpu-infer-embed@0.service",
+        },
+        {
+            "service": "embed",
+            "host": "node1",
+            "slot": 1,
+            "gpu_index": 3,
+            "gpu_uuid": "GPU-30900003-5a1e-4c0d-9b7e-000000000003",
+            "port": 8101,
+            "address": "10.0.0.11",
+            "unit": "budgetgpu-infer-embed@1.service",
+        },
+    ]
+
+
+def test_the_address_falls_back_to_ansible_host_then_the_name():
+    service = services(embed(gpus=[0]))[0]
+    hv = hostvars()
+    del hv["node1"]["ansible_facts"]["budgetgpu_net"]
+    assert m.inference_workers(service, hv, "node1", [])[0]["address"] == "host-10.0.0.11"
+    del hv["node1"]["ansible_host"]
+    assert m.inference_workers(service, hv, "node1", [])[0]["address"] == "node1"
+
+
+def test_a_host_outside_the_service_has_no_workers():
+    hv = hostvars(node3=node("10.0.0.13", groups=("gpu_nodes",)))
+    assert m.inference_workers(services(embed())[0], hv, "node3", []) == []
+    assert m.inference_workers(services(embed(nodes=["node2"]))[0], hv, "node1", []) == []
+
+
+def test_upstreams_list_every_worker_of_every_node():
+    service = services(embed(gpus={"node1": [0, 1], "node2": [2]}))[0]
+    assert m.inference_upstreams(service, hostvars(), HOSTS, []) == [
+        "10.0.0.11:8100",
+        "10.0.0.11:8101",
+        "10.0.0.12:8100",
+    ]
+
+
+def test_upstreams_of_an_ipv6_cluster_are_bracketed():
+    service = services(embed(gpus=[0], nodes=["node1"]))[0]
+    assert m.inference_upstreams(service, hostvars(node1=node("fd00::11")), HOSTS, []) == ["[fd00::11]:8100"]
+
+
+def training(nproc, **keys) -> list[dict]:
+    job = {"name": "pretrain", "script": "/srv/train.py", "nodes": "gpu_nodes", "nproc_per_node": nproc, **keys}
+    return torchrun_jobs_normalize([job])
+
+
+def test_auto_gpus_are_those_no_started_training_job_uses():
+    service = services(embed())[0]
+    workers = m.inference_workers(service, hostvars(), "node1", training(2))
+    assert [(w["gpu_index"], w["port"]) for w in workers] == [(2, 8100), (3, 8101)]
+    # A stopped or disabled job uses no GPU; without jobs every GPU serves.
+    for jobs in (training(2, state="stopped"), training(2, enabled=False), []):
+        assert [w["gpu_index"] for w in m.inference_workers(service, hostvars(), "node1", jobs)] == [0, 1, 2, 3]
+
+
+def test_a_job_on_every_gpu_leaves_none_for_auto():
+    service = services(embed())[0]
+    problems = check([service], jobs=training("gpu"))
+    assert "node1: service embed: gpus: found auto and no GPU left (training jobs use GPU 0 (pretrain)" in problems[0]
+    with pytest.raises(ValueError, match="no GPU left"):
+        m.inference_workers(service, hostvars(), "node1", training("gpu"))
+    assert check([service], jobs=training(3)) == []
+
+
+def test_a_node_whose_driver_shows_no_gpu_has_none_for_auto():
+    hv = hostvars(node2=node("10.0.0.12", gpus=0))
+    assert check(services(embed()), hv) == [
+        "node2: service embed: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"
+    ]
+
+
+def test_a_gpu_a_training_job_uses_is_refused_not_dropped():
+    jobs = training(2)
+    bad = check(services(embed(gpus=[1, 2])), jobs=jobs)
+    assert bad == [
+        f"node{n} GPU 1 ({RTX}, 24576 MiB): service embed: gpus: found GPU 1, which training job pretrain uses "
+        "(nproc_per_node), expected a GPU no started training job uses (or gpus: auto)"
+        for n in (1, 2)
+    ]
+    assert check(services(embed(gpus=[2, 3])), jobs=jobs) == []
+
+
+def test_a_gpu_index_the_node_lacks_is_refused():
+    bad = check(services(embed(gpus={"node1": [4], "node2": [0]})))
+    assert bad == ["node1: service embed: gpus: found GPU 4, expected a GPU index of node1 (0, 1, 2, 3)"]
+    assert check(services(embed(gpus={"node1": [3], "node2": [0]}))) == []
+
+
+def test_a_gpus_mapping_names_every_node_and_only_those():
+    bad = check(services(embed(gpus={"node1": [0], "node9": [0]})))
+    assert len(bad) == 2
+    assert any("node2: service embed: gpus: found no entry for node2, expected auto or a list" in b for b in bad)
+    assert "node9: service embed: gpus: found an entry for node9, expected nodes of the service" in bad
+    assert check(services(embed(gpus={"node1": [0], "node2": "auto"}))) == []
+
+
+def test_a_gpu_two_services_claim_is_refused():
+    bad = check(services(embed(gpus=[0]), chat(gpus=[0, 1], port=8200, gateway={"port": 8081})))
+    assert bad == [
+        f"node{n} GPU 0 ({RTX}, 24576 MiB): service chat: gpus: found GPU 0, which service embed uses too, "
+        "expected one service per GPU (give each service its own gpus list)"
+        for n in (1, 2)
+    ]
+    assert check(services(embed(gpus=[0]), chat(gpus=[1, 2], port=8200, gateway={"port": 8081}))) == []
+
+
+def test_a_node_without_probe_facts_is_refused():
+    hv = hostvars()
+    del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
+    assert check(services(embed())) == []
+    assert check(services(embed()), hv) == [
+        "node2: service embed: gpus: found no GPU facts, expected budgetgpu_gpus from gpu_facts (run the probe first)"
+    ]
+
+
+def test_in_safe_mode_a_node_without_probe_facts_is_left_out():
+    hv = hostvars()
+    del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
+    assert m.inference_check(services(embed()), hv, HOSTS, [], {}, unprobed_ok=True) == []
+
+
+def test_hosts_and_gateway_outside_the_inventory_are_refused():
+    bad = check(services(embed(nodes=["node1", "node7"], gateway={"host": "gw"})))
+    assert "node7: service embed: nodes: found node7, expected a host of the inventory" in bad
+    assert "gw: service embed: gateway.host: found gw, expected a host of the inventory" in bad
+    assert check(services(embed(nodes=["node1", "node2"], gateway={"host": "node2"}))) == []
+
+
+def test_the_gateway_is_the_first_node_unless_named():
+    hv = hostvars()
+    assert m.inference_gateway_host(services(embed())[0], hv, HOSTS) == "node1"
+    assert m.inference_gateway_host(services(embed(gateway={"host": "node2"}))[0], hv, HOSTS) == "node2"
+
+
+def test_an_empty_group_is_refused():
+    assert check(services(embed(nodes="chat_nodes"))) == [
+        "all: service embed: nodes: found 'chat_nodes' with no host, expected hosts"
+    ]
+
+
+def test_an_absent_service_is_not_checked():
+    assert check(services(embed(gpus=[9], state="absent"))) == []
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+def params(config: dict) -> int:
+    return m.model_parameters(m.model_shape(config))
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [(LLAMA_70B, 69e9), (LLAMA_7B, 6.74e9), (MINILM, 22.7e6), (GPT2, 124.4e6)],
+)
+def test_parameters_are_counted_from_config_json(config, expected):
+    assert abs(params(config) - expected) / expected < 0.05
+
+
+def test_the_guides_70b_in_4bit_on_a_24_gb_3090_is_refused_with_the_arithmetic():
+    service = services(chat(quantization="4bit", gpus=[0], nodes=["node1"]))
+    bad = check(service, configs={"chat": LLAMA_70B})
+    assert bad == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 33.3 GiB (69.0e9 params x 0.5 B (4bit) = "
+        "32.1 GiB + KV cache 720 MiB + 500 MiB CUDA context); expected at most 24.0 GiB"
+    ]
+    # A 7B model in 4 bits fits the same card.
+    assert check(service, configs={"chat": LLAMA_7B}) == []
+
+
+def test_the_memory_need_adds_weights_kv_cache_and_cuda_context():
+    service = services(chat(quantization="4bit"))[0]
+    need = m.inference_memory_need(service, LLAMA_70B)
+    assert need["bytes_per_param"] == 0.5
+    assert need["weights_bytes"] == int(need["params"] * 0.5)
+    # 2 (k and v) x 80 layers x 8 kv heads x 128 dims x (2048 + 256) tokens x 1 request x 2 bytes
+    assert need["kv_cache_bytes"] == 2 * 80 * 8 * 128 * 2304 * 1 * 2
+    assert need["overhead_bytes"] == 500 * 2**20
+    assert need["total_bytes"] == need["weights_bytes"] + need["kv_cache_bytes"] + need["overhead_bytes"]
+
+
+def test_concurrency_and_context_grow_the_kv_cache_and_embeddings_have_none():
+    one = m.inference_memory_need(services(chat())[0], LLAMA_7B)["kv_cache_bytes"]
+    four = m.inference_memory_need(services(chat(concurrency=4))[0], LLAMA_7B)["kv_cache_bytes"]
+    assert four == 4 * one
+    assert m.inference_memory_need(services(embed())[0], MINILM)["kv_cache_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("keys", "per_param"),
+    [
+        ({"dtype": "float32"}, 4),
+        ({"dtype": "bfloat16"}, 2),
+        ({"quantization": "8bit"}, 1),
+        ({"quantization": "4bit"}, 0.5),
+    ],
+)
+def test_bytes_per_parameter_follow_dtype_or_quantisation(keys, per_param):
+    assert m.inference_memory_need(services(chat(**keys))[0], LLAMA_7B)["bytes_per_param"] == per_param
+
+
+def test_the_kv_cache_of_quantised_weights_is_at_least_two_bytes():
+    quantised = m.inference_memory_need(services(chat(quantization="4bit"))[0], LLAMA_7B)
+    plain = m.inference_memory_need(services(chat())[0], LLAMA_7B)
+    assert quantised["kv_cache_bytes"] == plain["kv_cache_bytes"]
+
+
+def test_minilm_fits_anywhere():
+    small = node("10.0.0.11", gpus=1, gpu={"mib": 2048, "name": "NVIDIA T400", "cc": "7.5"})
+    assert check(services(embed(dtype="float32")), hostvars(node1=small), configs={"embed": MINILM}) == []
+
+
+def test_a_float16_7b_on_a_small_card_is_refused():
+    small = node("10.0.0.11", gpus=1, gpu={"mib": 12288, "name": "NVIDIA GeForce RTX 3060", "cc": "8.6"})
+    bad = check(services(chat(nodes=["node1"])), hostvars(node1=small), configs={"chat": LLAMA_7B})
+    assert len(bad) == 1 and "memory: needs 14.2 GiB (6.7e9 params x 2 B (float16) = 12.6 GiB" in bad[0]
+    assert "expected at most 12.0 GiB" in bad[0]
+    assert (
+        check(services(chat(nodes=["node1"], quantization="8bit")), hostvars(node1=small), configs={"chat": LLAMA_7B})
+        == []
+    )
+
+
+def test_a_missing_model_or_config_json_is_refused():
+    bad = check(services(embed()), configs={"embed": None})
+    assert bad == [
+        "control node: service embed: model: found no /srv/models/minilm/config.json on the control node, "
+        "expected a Hugging Face model directory (config.json, weights, tokenizer)"
+    ]
+    assert check(services(embed()), configs={"embed": ""}) == bad
+    assert "config.json that is not JSON" in check(services(embed()), configs={"embed": "{not json"})[0]
+    assert (
+        "config.json: found no hidden_size or n_embd or d_model" in check(services(embed()), configs={"embed": {}})[0]
+    )
+    assert (
+        check(
+            services(embed()),
+            configs={
+                "embed": '{"model_type": "bert", "hidden_size": 384, "num_hidden_layers": 6, '
+                '"num_attention_heads": 12, "vocab_size": 30522}'
+            },
+        )
+        == []
+    )
+
+
+# --- quantisation -----------------------------------------------------------------------------------
+
+
+def test_quantisation_on_a_simulated_node_is_refused():
+    hv = hostvars(node1=node("10.0.0.11", budgetgpu_simulated=True))
+    assert check(services(chat(quantization="4bit", nodes=["node1"], gpus=[0])), hostvars()) == []
+    bad = check(services(chat(quantization="8bit", nodes=["node1"], gpus=[0])), hv)
+    assert bad == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: quantization: found 8bit on a simulated node (no CUDA), "
+        "expected none: bitsandbytes 8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more "
+        "(the real-GPU path)"
+    ]
+    assert check(services(chat(nodes=["node1"], gpus=[0])), hv) == []
+
+
+def test_quantisation_below_compute_capability_7_5_is_refused():
+    old = node("10.0.0.11", gpus=1, gpu={"name": "Tesla P40", "cc": "6.1"})
+    bad = check(services(chat(quantization="4bit", nodes=["node1"])), hostvars(node1=old))
+    assert bad == [
+        "node1 GPU 0 (Tesla P40, 24576 MiB): service chat: quantization: found 4bit on compute capability 6.1, "
+        "expected compute capability 7.5 or more (bitsandbytes), or quantization none"
+    ]
+    turing = node("10.0.0.11", gpus=1, gpu={"name": "Tesla T4", "cc": "7.5"})
+    assert check(services(chat(quantization="4bit", nodes=["node1"])), hostvars(node1=turing)) == []
+
+
+# --- ports ------------------------------------------------------------------------------------------
+
+
+def test_worker_ranges_of_two_services_that_overlap_are_refused():
+    # embed takes 8100-8101 on each node; chat's 8101 lies inside.
+    two = services(embed(gpus=[0, 1]), chat(gpus=[2, 3], port=8101, gateway={"port": 8081}))
+    bad = check(two)
+    assert bad[0] == (
+        "node1: service chat workers: port: found 8101-8102, expected ports apart from 8100-8101 "
+        "(service embed workers on node1); a service's workers use port .. port + GPUs - 1"
+    )
+    assert len(bad) == 2 and bad[1].startswith("node2: service chat workers")
+    assert check(services(embed(gpus=[0, 1]), chat(gpus=[2, 3], port=8102, gateway={"port": 8081}))) == []
+
+
+def test_a_worker_range_that_holds_the_gateway_port_is_refused():
+    bad = check(services(embed(port=8079, gateway={"host": "node1"})))
+    assert bad == [
+        "node1: service embed gateway: gateway.port: found 8080, expected ports apart from 8079-8082 "
+        "(service embed workers on node1); a service's workers use port .. port + GPUs - 1"
+    ]
+    assert check(services(embed(port=8081))) == []
+
+
+def test_a_worker_range_that_holds_a_training_jobs_port_is_refused():
+    jobs = training(1, port=8102)
+    bad = check(services(embed()), jobs=jobs)
+    assert bad[0] == (
+        "node1: service embed workers: port: found 8100-8102, expected ports apart from 8102 "
+        "(training job pretrain on node1); a service's workers use port .. port + GPUs - 1"
+    )
+    assert check(services(embed()), jobs=training(1)) == []
+
+
+def test_two_gateways_on_one_port_of_one_host_are_refused():
+    bad = check(services(embed(gpus=[0]), chat(gpus=[1], port=8200)))
+    assert bad == [
+        "node1: service chat gateway: gateway.port: found 8080, expected ports apart from 8080 "
+        "(service embed gateway on node1); a service's workers use port .. port + GPUs - 1"
+    ]
+    assert check(services(embed(gpus=[0]), chat(gpus=[1], port=8200, gateway={"port": 8081}))) == []
+
+
+# --- the worker's command ---------------------------------------------------------------------------
+
+
+def worker(service: dict, host: str = "node1") -> dict:
+    return m.inference_workers(service, hostvars(), host, [])[1]
+
+
+def test_the_builtin_worker_command():
+    service = services(embed(), venv="/srv/venv")[0]
+    argv = m.inference_worker_command(service, worker(service), None, "/opt/budgetgpu/bin/inference_worker.py")
+    assert argv == [
+        "/srv/venv/bin/python3",
+        "/opt/budgetgpu/bin/inference_worker.py",
+        "--config",
+        "/etc/budgetgpu/inference/embed.json",
+        "--port",
+        "8101",
+        "--host",
+        "10.0.0.11",
+        "--worker-id",
+        "node1-1",
+    ]
+    assert m.inference_worker_command(service, worker(service), "/usr/bin/python3", "/w.py")[0] == "/usr/bin/python3"
+    with pytest.raises(ValueError, match="worker_script: found none"):
+        m.inference_worker_command(service, worker(service))
+
+
+def test_the_vllm_example_renders_one_server_per_gpu():
+    command = (
+        "vllm serve {model} --port {port} --host {host} --served-model-name {name} --max-model-len {max_input_tokens}"
+    )
+    service = services(chat(engine="command", command=command, venv="/srv/venv"))[0]
+    assert m.inference_worker_command(service, worker(service)) == [
+        "vllm",
+        "serve",
+        "/var/lib/budgetgpu/models/chat",
+        "--port",
+        "8101",
+        "--host",
+        "10.0.0.11",
+        "--served-model-name",
+        "chat",
+        "--max-model-len",
+        "2048",
+    ]
+
+
+def test_command_values_are_quoted_not_split():
+    service = services(
+        chat(engine="command", command="srv --model {model} --port {port}"), model_root="/srv/my models"
+    )[0]
+    assert m.inference_worker_command(service, worker(service)) == [
+        "srv",
+        "--model",
+        "/srv/my models/chat",
+        "--port",
+        "8101",
+    ]
+
+
+# --- the filters ------------------------------------------------------------------------------------
+
+
+def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
+    from ansible.errors import AnsibleFilterError
+    from ansible_collections.budgetgpu.cluster.plugins.filter.inference import FilterModule
+
+    filters = FilterModule().filters()
+    assert set(filters) == {
+        "inference_services_normalize",
+        "inference_workers",
+        "inference_upstreams",
+        "inference_gateway_host",
+        "inference_check",
+        "inference_worker_command",
+        "inference_memory_need",
+    }
+    assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
+    with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
+        filters["inference_services_normalize"]([embed(quantization="4-bit")])
