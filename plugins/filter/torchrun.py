@@ -49,4 +49,5 @@ class FilterModule:
             "systemd_quote": systemd_quote,
             "systemd_exec": systemd_exec,
             "systemd_show": systemd_show,
+            "unit_hardening": jobs.unit_hardening,
         }

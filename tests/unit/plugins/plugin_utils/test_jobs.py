@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from ansible.errors import AnsibleFilterError
 from ansible_collections.budgetgpu.cluster.plugins.filter import torchrun as torchrun_filters
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS, torchrun_jobs_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    JOB_DEFAULTS,
+    torchrun_jobs_normalize,
+    unit_hardening,
+)
 
 JOB = {"name": "main", "script": "/srv/train.py"}
 
@@ -50,3 +54,11 @@ def test_bad_shapes_are_named_and_raise_a_filter_error_through_the_filter(jobs, 
 def test_the_filter_file_keeps_the_names_other_plugins_import():
     assert torchrun_filters.job_master({"nodes": "g"}, {"g": ["a", "b"]}) == "a"
     assert torchrun_filters.job_master_addr({"nodes": "g", "master_addr": "10.0.0.1"}, {"g": ["a"]}, {}) == "10.0.0.1"
+
+
+def test_unit_hardening_is_one_list_for_jobs_and_workers():
+    no_sandbox = unit_hardening(False)
+    assert no_sandbox["NoNewPrivileges"] == "yes" and no_sandbox["DevicePolicy"] == "closed"
+    assert "ProtectSystem" not in no_sandbox and "PrivateDevices" not in no_sandbox
+    full = unit_hardening(True, {"ProtectHome": "read-only"})
+    assert full["ProtectSystem"] == "strict" and full["ProtectHome"] == "read-only"
