@@ -10,29 +10,10 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inputs
+from test_inference_model import LLAMA_70B, MINILM
 from test_preflight_role import RTX, fake_node, playbook
 
 REPO = Path(__file__).resolve().parents[3]
-LLAMA_70B = {
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "intermediate_size": 28672,
-    "vocab_size": 32000,
-    "tie_word_embeddings": False,
-}
-MINILM = {
-    "model_type": "bert",
-    "hidden_size": 384,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 12,
-    "intermediate_size": 1536,
-    "vocab_size": 30522,
-    "max_position_embeddings": 512,
-    "type_vocab_size": 2,
-}
 
 
 def gpu_node(gpus: int = 2) -> dict:
