@@ -472,8 +472,9 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
 
 
-class CompletionRequest(BaseModel):
-    prompt: str | list[str]
+class GenerationRequest(BaseModel):
+    """The sampling fields that /v1/completions and /v1/chat/completions share."""
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -482,6 +483,10 @@ class CompletionRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str]
 
 
 class ChatMessage(BaseModel):
@@ -494,17 +499,9 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
 
 
 @dataclass
@@ -760,7 +757,7 @@ async def _stream_tail(state: WorkerState, reply: Reply, future: asyncio.Future)
     yield _sse("[DONE]")
 
 
-def _params(state: WorkerState, engine: Engine, req: CompletionRequest | ChatRequest, prompt_tokens: int):
+def _params(state: WorkerState, engine: Engine, req: GenerationRequest, prompt_tokens: int):
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.max_new_tokens
     room = (engine.positions or prompt_tokens + asked) - prompt_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -769,7 +766,7 @@ def _params(state: WorkerState, engine: Engine, req: CompletionRequest | ChatReq
     return GenerationParams(min(asked, state.config.max_new_tokens, room), temperature, top_p, stop)
 
 
-async def _serve_generation(state: WorkerState, req: CompletionRequest | ChatRequest, chat: bool):
+async def _serve_generation(state: WorkerState, req: GenerationRequest, chat: bool):
     engine = state.require_engine("generation", req.model)
     if chat:
         if not engine.has_chat_template():
