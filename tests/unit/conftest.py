@@ -57,9 +57,14 @@ def sim_tree(render_sim, tmp_path):
 def h200_sysfs(tmp_path) -> str:
     """The captured H200 tree with bus/pci/devices links as links.txt shows them (absolute targets)."""
     import shutil
+    from urllib.parse import unquote
 
     root = tmp_path / "h200-sys"
     shutil.copytree(H200 / "sysfs" / "sys", root)
+    # The checkout stores "pci0000:00" as "pci0000%3A00": a collection may not hold file names with
+    # ":" (ansible-test sanity no-illegal-filenames). The tree gets sysfs's names back here.
+    for folder in sorted(root.rglob("*%*"), key=lambda path: len(path.parts), reverse=True):
+        folder.rename(folder.with_name(unquote(folder.name)))
     bus = root / "bus" / "pci" / "devices"
     bus.mkdir(parents=True)
     for line in (H200 / "sysfs" / "links.txt").read_text().splitlines():
