@@ -106,4 +106,4 @@ def no_numpy_path(tmp_path) -> str:
 # ("substitute_in_graph expects a function"). Importing it first, before any test runs, keeps
 # the training-script tests independent of the order tests run in.
 with contextlib.suppress(ImportError):
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo  # noqa: F401  # pylint: disable=unused-import

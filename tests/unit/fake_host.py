@@ -48,6 +48,7 @@ def run_playbook(
         env=env,
         cwd=tmp_path,
         timeout=120,
+        check=False,
     )
 
 

@@ -82,7 +82,7 @@ def test_live_restore_turned_off_by_hand_is_turned_on_again_by_reload(module_tmp
 
 
 def test_default_runtime_only_when_asked_and_no_runtime_without_the_toolkit(module_tmp):
-    desired, _ = merge(module_tmp, {}, container_runtime_nvidia_default_runtime=True)
+    desired, _unused = merge(module_tmp, {}, container_runtime_nvidia_default_runtime=True)
     assert desired["default-runtime"] == "nvidia"
-    desired, _ = merge(module_tmp, {}, container_runtime_nvidia_toolkit=False)
+    desired, _unused = merge(module_tmp, {}, container_runtime_nvidia_toolkit=False)
     assert desired == {"live-restore": True}

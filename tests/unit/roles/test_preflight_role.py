@@ -97,6 +97,7 @@ def playbook(tmp_path: Path, jobs: list[dict], nodes: dict[str, dict], **group_v
         capture_output=True,
         text=True,
         timeout=180,
+        check=False,
     )
 
 
