@@ -1,4 +1,8 @@
-"""Shared fixtures for the unit tests."""
+"""Shared fixtures for the unit tests.
+
+Tests import helpers by package (`ansible_collections.budgetgpu.cluster.tests.unit.fake_host`),
+never as top-level modules found through pytest's rootdir: ansible-test units imports every test
+file as part of the collection's package, so only package imports work under both it and pytest."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -13,18 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
-
-
-def load_file_module(name: str, path: Path):
-    """Import a Python file by path as a fresh module (gpu_sim's files, scripts without .py)."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.SourceFileLoader(name, str(path))
-    spec = importlib.util.spec_from_loader(name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 GPU_SIM_FILES = REPO / "roles" / "gpu_sim" / "files"

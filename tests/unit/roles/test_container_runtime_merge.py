@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fake_host import run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 ROLE = REPO / "roles/container_runtime"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fake_host import AFTER_PREFLIGHT, REPO, output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import AFTER_PREFLIGHT, REPO, output_of, run_playbook
 
 PLAYBOOK = (
     """

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_host import AFTER_PREFLIGHT
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import AFTER_PREFLIGHT
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = (

@@ -18,14 +18,14 @@ H200_CSV = REPO / "tests" / "fixtures" / "h200-node" / "nvidia-smi-query.csv"
 
 @pytest.fixture
 def probe_script():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_probe", REPO / "scripts" / "gpu-probe")
 
 
 @pytest.fixture
 def smoke_script():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_smoke", REPO / "scripts" / "gpu-smoke")
 

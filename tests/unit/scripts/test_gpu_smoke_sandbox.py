@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_host import render_job_unit
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import render_job_unit
 
 REPO = Path(__file__).resolve().parents[3]
 PROC_DEVICES = REPO / "tests" / "fixtures" / "proc-devices"
@@ -18,7 +18,7 @@ OLD_LIST = ["char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r
 
 @pytest.fixture(scope="module")
 def smoke():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_smoke_sandbox", REPO / "scripts" / "gpu-smoke")
 
