@@ -16,7 +16,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-$(BIN)/ansible-playbook: requirements.txt requirements-dev.txt
+$(BIN)/ansible-playbook: requirements.txt requirements-dev.txt tests/unit/requirements.txt
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found: budgetgpu needs Python 3.11 (ansible-core 2.19)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -62,18 +62,22 @@ demo-status: ## Show the demo cluster
 
 test: lint unit molecule ## Lint, unit tests and every molecule scenario
 
-lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every module
+lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every module, ansible-test sanity
 	$(BIN)/yamllint -s .
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@# The molecule playbooks use community.docker and community.general from site-packages.
 	ANSIBLE_COLLECTIONS_SCAN_SYS_PATH=true $(BIN)/ansible-lint --profile production
 	@scripts/check-docs
+	@# The checks Galaxy holds collections to, on a copy of the tree, offline (CONTRIBUTING.md, "ansible-test").
+	tests/sanity/run-ansible-test sanity --python 3.11 --color no
 
-unit: venv wheelhouse ## Unit tests (pytest): modules, module_utils, filters, templates
+unit: venv wheelhouse ## Unit tests (ansible-test units, pytest): modules, module_utils, filters, templates
 	@# The training script's tests run a real 2-process gloo job: torch's CPU build, from the wheelhouse.
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet --no-index --find-links .cache/wheelhouse torch==2.13.0
-	$(BIN)/pytest
+	@# The whole suite, once: ansible-test runs it as Galaxy users would (module tests with only
+	@# ansible's module_utils importable), 2 workers. Plain `pytest` runs the same tests.
+	tests/sanity/run-ansible-test units --python 3.11 --color no
 
 molecule: image $(if $(filter provision_trixie,$(or $(SCENARIO),$(SCENARIOS))),image-trixie) wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
 	@scripts/run-molecule $(or $(SCENARIO),$(SCENARIOS))

@@ -1,17 +1,9 @@
 # Copyright: budgetgpu maintainers
-# Apache License 2.0
+# Apache License 2.0 (see galaxy.yml)
+# ruff: noqa: E402 (Ansible plugins import after DOCUMENTATION)
 """Aggregate callback: one JSON drift report per playbook run (what changed, failed, is pending)."""
 
 from __future__ import annotations
-
-import json
-import os
-import tempfile
-import time
-from datetime import UTC, datetime
-from typing import Any
-
-from ansible.plugins.callback import CallbackBase
 
 DOCUMENTATION = r"""
 name: drift_report
@@ -24,7 +16,7 @@ description:
   - Writes the report once, when the playbook ends, to the file named by I(output); nothing when unset.
   - C(scripts/nightly-reprovision) enables it and turns the report into the nightly summary.
 version_added: 0.1.0
-author: budgetgpu maintainers
+author: budgetgpu maintainers (!UNKNOWN)
 requirements:
   - enable it in callbacks_enabled (ANSIBLE_CALLBACKS_ENABLED=budgetgpu.cluster.drift_report)
 options:
@@ -37,6 +29,15 @@ options:
       - section: callback_drift_report
         key: output
 """
+
+import json
+import os
+import tempfile
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from ansible.plugins.callback import CallbackBase
 
 # Facts that roles set for the report (CONTRIBUTING.md, "Safe mode"); the last value seen wins,
 # except for budgetgpu_pending: every playbook's probe resets it to [], so the report keeps every

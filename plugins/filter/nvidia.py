@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ansible.errors import AnsibleFilterError  # noqa: F401  re-exported for callers of the old module
+from ansible.errors import AnsibleFilterError  # noqa: F401  re-exported for callers of the old module  # pylint: disable=unused-import
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (  # noqa: F401  the module's old names
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (  # noqa: F401  the module's old names  # pylint: disable=unused-import
     BLACKWELL_FIRST_ID,
     DEVICE_ID_RANGES,
     FLAVORS,

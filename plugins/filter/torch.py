@@ -6,7 +6,7 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import torch_build
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (  # noqa: F401  the module's old names
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (  # noqa: F401  the module's old names  # pylint: disable=unused-import
     KNOWN_VARIANTS,
     driver_cuda,
     nccl_package,

@@ -13,7 +13,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
 # Other plugins import these names from here.
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (  # noqa: F401
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (  # noqa: F401  # pylint: disable=unused-import
     JOB_DEFAULTS,
     job_hosts,
     job_master,

@@ -67,7 +67,7 @@ def parse_proc_devices(text: str) -> dict[str, list[tuple[int, str]]]:
             continue
         if current is None:
             continue
-        major, _, name = stripped.partition(" ")
+        major, _space, name = stripped.partition(" ")
         if major.isdigit() and int(major) > 0 and name.strip():
             sections[current].append((int(major), name.strip()))
     return sections
@@ -178,7 +178,7 @@ def uncovered_message(uncovered: list[tuple[int, str]], where: str = "DeviceAllo
         return f"{where} opens every NVIDIA device group in /proc/devices"
     names = ", ".join(f"{name} (major {major})" for major, name in uncovered)
     # One group per major is enough: systemd opens every minor of a matching group's major.
-    first_by_major = {major: name for major, name in reversed(uncovered)}
+    first_by_major = dict(reversed(uncovered))
     entries = ", ".join(f"char-{first_by_major[major]} rw" for major in dict.fromkeys(m for m, _n in uncovered))
     return (
         f"{where} does not open the NVIDIA device groups {names}: a unit with DevicePolicy=closed cannot "

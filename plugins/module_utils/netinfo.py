@@ -173,7 +173,7 @@ RULE_VARIABLE = "budgetgpu_cluster_interface"
 
 def ip_or_none(text: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        return ipaddress.ip_address(str(text).split("%")[0])
+        return ipaddress.ip_address(str(text).split("%", maxsplit=1)[0])
     except ValueError:
         return None
 
@@ -335,7 +335,7 @@ def choose_cluster_interface(
     else:
         where = f"fastest interface with an address (no budgetgpu_cluster_subnet set), {address}"
     carrier = ", carrier up" if chosen.get("carrier") else ""
-    others = [_label(i) for i, _ in candidates[1:]] + refused
+    others = [_label(i) for i, _rank in candidates[1:]] + refused
     passed = f"; passed over {', '.join(others)}" if others else ""
     prefixlen = next((e.get("prefixlen") for e in chosen.get("addresses") or [] if e.get("address") == address), None)
     return {

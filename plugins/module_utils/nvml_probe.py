@@ -68,7 +68,7 @@ def _enabled(value: int) -> str:
 
 def nvml_bus_id_to_sysfs(bus_id: str) -> str:
     """Return NVML's "00000000:3B:00.0" as sysfs writes it: "0000:3b:00.0"."""
-    domain, _, rest = _text(bus_id).strip().lower().partition(":")
+    domain, _colon, rest = _text(bus_id).strip().lower().partition(":")
     return f"{int(domain or '0', 16):04x}:{rest}"
 
 

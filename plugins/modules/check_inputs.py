@@ -24,13 +24,17 @@ description:
     play vars are not inputs and are not checked; values are templated first.
   - Runs on the control node only (action plugin); no call to the node.
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 options: {}
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
   diff_mode:
     support: none
+  platform:
+    platforms: posix
 seealso:
   - module: ansible.builtin.validate_argument_spec
 """

@@ -22,7 +22,7 @@ description:
     half-configured ones are missing, so apt gets to finish them.
   - Needs C(dpkg-query), that is a Debian or Ubuntu node.
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 options:
   names:
     description:
@@ -33,11 +33,15 @@ options:
     type: list
     elements: str
     required: true
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
   diff_mode:
     support: none
+  platform:
+    platforms: debian
 seealso:
   - module: ansible.builtin.apt
   - module: ansible.builtin.package_facts

@@ -21,7 +21,7 @@ description:
     that failed for another reason is C(null), with NVML's message under the GPU's C(errors).
   - Returns C(ansible_facts.budgetgpu_gpus); never reports C(changed).
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 requirements:
   - nvidia-ml-py (C(pip install nvidia-ml-py), or Debian/Ubuntu C(apt-get install python3-pynvml)) on the managed node
 options:
@@ -46,6 +46,9 @@ options:
     type: str
     choices: [fail, report]
     default: fail
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - ansible.builtin.action_common_attributes.facts
 attributes:
   check_mode:
     support: full
@@ -53,6 +56,8 @@ attributes:
     support: none
   facts:
     support: full
+  platform:
+    platforms: posix
 notes:
   - GPUs are listed in NVML order (PCI bus id order); RV(ansible_facts.budgetgpu_gpus.gpus[].bus_id) is in
     sysfs form (C(0000:3b:00.0)) so that it matches M(budgetgpu.cluster.pcie_facts).

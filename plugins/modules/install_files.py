@@ -23,7 +23,7 @@ description:
   - For small text and script files (sent through the module's arguments); wheels and other large files
     belong to M(ansible.builtin.copy).
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 options:
   files:
     description: The files to install.
@@ -60,11 +60,15 @@ options:
     description: Mode of the parent directories this task creates (existing ones are left as they are).
     type: str
     default: "0755"
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
   diff_mode:
     support: full
+  platform:
+    platforms: posix
 seealso:
   - module: ansible.builtin.copy
 """

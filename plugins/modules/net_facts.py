@@ -26,7 +26,7 @@ description:
     directly (each interface's primary IPv4 address and its IPv6 addresses).
   - Returns C(ansible_facts.budgetgpu_net); never reports C(changed).
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 options:
   sysfs_root:
     description: Where sysfs is mounted.
@@ -45,6 +45,9 @@ options:
         every name not starting with those, C(^=eth0) every name but exactly that one.
       - An address in O(cluster_subnet) still wins among the selected interfaces.
     type: str
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - ansible.builtin.action_common_attributes.facts
 attributes:
   check_mode:
     support: full
@@ -52,6 +55,8 @@ attributes:
     support: none
   facts:
     support: full
+  platform:
+    platforms: posix
 seealso:
   - module: budgetgpu.cluster.gpu_facts
 """

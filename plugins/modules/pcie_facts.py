@@ -28,7 +28,7 @@ description:
     a message naming the node, the bus id, what was found, what was expected and what to check.
   - Returns C(ansible_facts.budgetgpu_pcie); never reports C(changed).
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 options:
   sysfs_root:
     description:
@@ -53,6 +53,9 @@ options:
       - Name of the node in failure messages (pass C({{ inventory_hostname }})).
       - Defaults to the node's host name.
     type: str
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - ansible.builtin.action_common_attributes.facts
 attributes:
   check_mode:
     support: full
@@ -60,6 +63,8 @@ attributes:
     support: none
   facts:
     support: full
+  platform:
+    platforms: posix
 notes:
   - A GPU on a root bus (passed through to a VM) has no visible port above it; its link is
     judged against its own maximum only and not marked downgraded.

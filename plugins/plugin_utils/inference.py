@@ -255,7 +255,7 @@ def _bad_engine(service: Mapping[str, Any]) -> list[str]:
             f"(placeholders {', '.join('{' + p + '}' for p in PLACEHOLDERS)})"
         ]
     try:
-        names = {field for _, field, _, _ in string.Formatter().parse(command) if field is not None}
+        names = {field for _text, field, _spec, _conversion in string.Formatter().parse(command) if field is not None}
     except ValueError as error:
         return [f"command: found {command!r}, expected balanced {{placeholders}} ({error})"]
     unknown = sorted(names - set(PLACEHOLDERS))

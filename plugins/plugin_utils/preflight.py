@@ -229,7 +229,7 @@ def _check_same(
 
 
 def _driver_major(version: Any) -> str | None:
-    return str(version).split(".")[0] if version else None
+    return str(version).split(".", maxsplit=1)[0] if version else None
 
 
 def _check_probed(job: Mapping[str, Any], hosts: list[str], probed: list[str]) -> list[Problem]:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark the probes, without Ansible's start-up. Figures and how to read them: docs/benchmarks/probes.md.
 
 Usage: python tests/benchmarks/probes.py [--runs N]
@@ -46,7 +45,7 @@ def timed(function: Callable[[], object], runs: int) -> tuple[float, float]:
     """Return (median, 90th percentile) wall time of function in milliseconds."""
     function()  # warm the page cache and imports once
     samples = []
-    for _ in range(runs):
+    for _unused in range(runs):
         start = time.perf_counter()
         function()
         samples.append((time.perf_counter() - start) * 1000)
@@ -89,7 +88,7 @@ def real_nvml() -> ModuleType | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--runs", type=int, default=200)
     args = parser.parse_args(argv)
     pcie = load("pcie", REPO / "plugins" / "module_utils" / "pcie.py")
@@ -120,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         print("real NVML: not on this machine (no driver); run this on a GPU node for the end-to-end figures")
     else:
         runs = max(10, args.runs // 10)
-        probe_ms, _ = timed(lambda: nvml_probe.probe_nvml(nvml), runs)
+        probe_ms, _unused = timed(lambda: nvml_probe.probe_nvml(nvml), runs)
 
         def smi_and_parse() -> None:
             done = subprocess.run([smi, "-q", "-x"], capture_output=True, text=True, check=True)
             parse_smi_xml(done.stdout)
 
-        smi_ms, _ = timed(smi_and_parse, runs)
+        smi_ms, _unused = timed(smi_and_parse, runs)
         ok = probe_ms <= smi_ms / 2
         failed |= not ok
         print(f"real NVML: gpu_facts probe {probe_ms:.1f}, nvidia-smi -q -x + parse {smi_ms:.1f} (budget: half)")

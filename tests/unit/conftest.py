@@ -1,4 +1,8 @@
-"""Shared fixtures for the unit tests."""
+"""Shared fixtures for the unit tests.
+
+Tests import helpers by package (`ansible_collections.budgetgpu.cluster.tests.unit.fake_host`),
+never as top-level modules found through pytest's rootdir: ansible-test units imports every test
+file as part of the collection's package, so only package imports work under both it and pytest."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -13,18 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
-
-
-def load_file_module(name: str, path: Path):
-    """Import a Python file by path as a fresh module (gpu_sim's files, scripts without .py)."""
-    import importlib.machinery
-    import importlib.util
-
-    loader = importlib.machinery.SourceFileLoader(name, str(path))
-    spec = importlib.util.spec_from_loader(name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 GPU_SIM_FILES = REPO / "roles" / "gpu_sim" / "files"
@@ -57,9 +50,14 @@ def sim_tree(render_sim, tmp_path):
 def h200_sysfs(tmp_path) -> str:
     """The captured H200 tree with bus/pci/devices links as links.txt shows them (absolute targets)."""
     import shutil
+    from urllib.parse import unquote
 
     root = tmp_path / "h200-sys"
     shutil.copytree(H200 / "sysfs" / "sys", root)
+    # The checkout stores "pci0000:00" as "pci0000%3A00": a collection may not hold file names with
+    # ":" (ansible-test sanity no-illegal-filenames). The tree gets sysfs's names back here.
+    for folder in sorted(root.rglob("*%*"), key=lambda path: len(path.parts), reverse=True):
+        folder.rename(folder.with_name(unquote(folder.name)))
     bus = root / "bus" / "pci" / "devices"
     bus.mkdir(parents=True)
     for line in (H200 / "sysfs" / "links.txt").read_text().splitlines():
@@ -101,4 +99,4 @@ def no_numpy_path(tmp_path) -> str:
 # ("substitute_in_graph expects a function"). Importing it first, before any test runs, keeps
 # the training-script tests independent of the order tests run in.
 with contextlib.suppress(ImportError):
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo  # noqa: F401  # pylint: disable=unused-import

@@ -39,7 +39,7 @@ def program(task: dict) -> str:
     if isinstance(args, dict):
         if "argv" in args:
             argv = args["argv"]
-            return str(argv[0]) if isinstance(argv, list) else str(argv).split(",")[0]
+            return str(argv[0]) if isinstance(argv, list) else str(argv).split(",", maxsplit=1)[0]
         args = args.get("cmd", "")
     return str(args)
 

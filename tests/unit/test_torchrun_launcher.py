@@ -19,7 +19,7 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "roles" / "torchrun" / "files" 
 
 @pytest.fixture(scope="module")
 def launcher():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("budgetgpu_torchrun", LAUNCHER)
 

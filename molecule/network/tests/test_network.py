@@ -113,7 +113,7 @@ def test_outsider_cannot_reach_the_rendezvous_port_members_can() -> None:
     master.run("systemctl stop budgetgpu-test-listener 2>/dev/null; true")
     master.check_output(f'systemd-run --unit=budgetgpu-test-listener --collect timeout 40 python3 -c "{listener}"')
     try:
-        for _ in range(50):
+        for _unused in range(50):
             if master.socket(f"tcp://{address}:29500").is_listening:
                 break
             time.sleep(0.1)

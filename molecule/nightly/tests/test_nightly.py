@@ -51,7 +51,7 @@ def nightly(*args: str, facts: Path | None = None) -> tuple[int, dict, str, floa
     fact cache directory than the scenario's."""
     start = time.monotonic()
     env = nightly_env() if facts is None else {**nightly_env(), "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(facts)}
-    done = subprocess.run(nightly_command(*args), env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(nightly_command(*args), env=env, capture_output=True, text=True, timeout=1200, check=False)
     wall = time.monotonic() - start
     report = json.loads((LOGS / "latest" / "drift.json").read_text())
     summary = (LOGS / "latest" / "summary.txt").read_text()
@@ -60,7 +60,9 @@ def nightly(*args: str, facts: Path | None = None) -> tuple[int, dict, str, floa
 
 
 def on(node: str, command: str, check: bool = True) -> str:
-    done = subprocess.run(["docker", "exec", node, "sh", "-c", command], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["docker", "exec", node, "sh", "-c", command], capture_output=True, text=True, timeout=120, check=False
+    )
     if check:
         assert done.returncode == 0, f"{node}: {command}: {done.stderr}"
     return done.stdout.strip()
@@ -164,7 +166,7 @@ def drift_run():
     on(NODES[1], "systemctl stop docker.socket docker.service")
     on(NODES[1], f"systemctl disable {JOB_UNIT}")
     # The fallback that must always work, on the run that has the most to do.
-    rc, report, summary, _ = nightly("--strategy", "linear")
+    rc, report, summary, _unused = nightly("--strategy", "linear")
     after = {"pids": {node: main_pid(node, JOB_UNIT) for node in NODES}}
     after["docker"] = {node: started_at(node, "docker.service") for node in NODES}
     return {"rc": rc, "report": report, "summary": summary, "before": before, "after": after}
@@ -228,7 +230,7 @@ def test_a_job_unit_between_restarts_counts_as_a_running_job(drift_run):
             time.sleep(0.2)
         assert unit_state(NODES[0], FLAKY_UNIT) == "activating/auto-restart"
         docker_before = started_at(NODES[0], "docker.service")
-        rc, report, summary, _ = nightly()
+        rc, report, summary, _unused = nightly()
         assert report["hosts"][NODES[0]]["jobs_active"] == [FLAKY_UNIT], summary
         assert started_at(NODES[0], "docker.service") == docker_before, "docker.service was restarted"
         assert any("docker" in entry.lower() for entry in report["hosts"][NODES[0]]["pending"]), summary
@@ -243,7 +245,7 @@ def test_the_pending_change_is_applied_on_the_first_run_without_a_job(drift_run)
     for node in NODES:
         on(node, f"systemctl stop {JOB_UNIT}")
     docker_before = started_at(NODES[0], "docker.service")
-    rc, report, summary, _ = nightly()
+    rc, report, summary, _unused = nightly()
     assert rc == 10, summary
     assert started_at(NODES[0], "docker.service") != docker_before, "docker.service was not restarted"
     assert not report["hosts"][NODES[0]]["pending"], summary
@@ -258,7 +260,9 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lock():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (lock.exists() and lock.read_text().strip()):
             time.sleep(0.1)
-        second = subprocess.run(nightly_command(), env=nightly_env(), capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            nightly_command(), env=nightly_env(), capture_output=True, text=True, timeout=60, check=False
+        )
         assert second.returncode == 75, second.stderr
         assert f"holds the lock {lock}: PID {first.pid} on " in second.stderr
     finally:
@@ -279,7 +283,7 @@ def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovis
         on(NODES[0], f"rm {NCCL_ENV}")
         aged = age_fact_cache(25)
         assert all(any(name.endswith(node) for name in aged) for node in NODES), aged
-        rc, report, summary, _ = nightly()
+        rc, report, summary, _unused = nightly()
         log = (LOGS / "latest" / "ansible.log").read_text()
         assert rc == 20, summary
         # Over SSH a stopped node is unreachable; through the docker connection of these tests
@@ -307,7 +311,7 @@ def pull_runs(tmp_path_factory):
     for node in NODES:
         peer = next(other for other in NODES if other != node)
         on(node, f"rm {NCCL_ENV}")
-        rc, report, summary, _ = nightly("--", "--limit", node, facts=tmp_path_factory.mktemp(node))
+        rc, report, summary, _unused = nightly("--", "--limit", node, facts=tmp_path_factory.mktemp(node))
         runs[node] = {
             "rc": rc,
             "report": report,

@@ -68,8 +68,8 @@ def test_the_pull_entry_runs_ansible_pull_for_this_node_under_a_lock(host):
 
 
 def test_the_cron_command_reports_drift_calls_the_hook_and_rotates(host):
-    _, _, command = cron_entry(host, CRON_FILE)
-    for _ in range(4):
+    _unused1, _unused2, command = cron_entry(host, CRON_FILE)
+    for _unused in range(4):
         done = run_as_cron(host, command)
         assert done.rc == 10, done.stdout + done.stderr
     summary = host.file(f"{LOG_DIR}/latest/summary.txt").content_string
@@ -85,7 +85,7 @@ def test_the_cron_command_reports_drift_calls_the_hook_and_rotates(host):
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_lock(host):
-    _, _, command = cron_entry(host, CRON_FILE)
+    _unused1, _unused2, command = cron_entry(host, CRON_FILE)
     host.run("systemctl reset-failed nightly-first.service")
     started = host.run(
         f"systemd-run --unit nightly-first --uid {USER} --setenv FAKE_SLEEP=6 /bin/sh -c {shlex.quote(command)}"
@@ -93,7 +93,7 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lock(host):
     assert started.rc == 0, started.stderr
     lock = f"{LOG_DIR}/nightly.lock"
     holder = {}
-    for _ in range(100):
+    for _unused in range(100):
         text = host.run(f"cat {lock}").stdout.strip()
         if text:
             holder = json.loads(text)

@@ -35,7 +35,9 @@ def gpg_env(gnupghome: Path) -> dict[str, str]:
 
 
 def ensure_key(env: dict[str, str]) -> None:
-    listed = subprocess.run(["gpg", "--batch", "--list-secret-keys", KEY_UID], env=env, capture_output=True)
+    listed = subprocess.run(
+        ["gpg", "--batch", "--list-secret-keys", KEY_UID], env=env, capture_output=True, check=False
+    )
     if listed.returncode != 0:
         run(
             "gpg",

@@ -63,9 +63,8 @@ class NVMLError(Exception):
     _valClassMapping: dict[int, type] = {}
 
     def __new__(cls, value: int) -> NVMLError:
-        if cls is NVMLError:
-            cls = NVMLError._valClassMapping.get(value, cls)
-        obj = Exception.__new__(cls)
+        subclass = NVMLError._valClassMapping.get(value, cls) if cls is NVMLError else cls
+        obj = Exception.__new__(subclass)
         obj.value = value
         return obj
 

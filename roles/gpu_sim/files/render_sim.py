@@ -42,7 +42,7 @@ def function_dirs(functions: list[dict[str, Any]]) -> dict[str, str]:
             if parent:
                 paths[bdf] = f"{path_of(parent)}/{bdf}"
             else:
-                domain, bus, _ = bdf.split(":")
+                domain, bus, _unused = bdf.split(":")
                 paths[bdf] = f"devices/pci{domain}:{bus}/{bdf}"
         return paths[bdf]
 

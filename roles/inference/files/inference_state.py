@@ -35,7 +35,7 @@ def missing(venv: str, requirements: list[str]) -> list[str]:
     have = installed(venv)
     out = []
     for req in requirements:
-        name, _, version = req.partition("==")
+        name, _unused, version = req.partition("==")
         name = re.split(r"[\[<>=!~; ]", name.strip(), maxsplit=1)[0]
         found = have.get(canonical(name))
         if found is None or (version and found != version.strip()):

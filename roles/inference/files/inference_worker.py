@@ -945,7 +945,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     app.state.on_load_failure = lambda: setattr(server, "should_exit", True)
     LOG.info(
-        f"{config.name}: worker {app.state.worker_id} listening on {args.host}:{args.port}, loading {config.model_dir}"
+        "%s: worker %s listening on %s:%s, loading %s",
+        config.name,
+        app.state.worker_id,
+        args.host,
+        args.port,
+        config.model_dir,
     )
     server.run()
     return 1 if app.state.load_error or not server.started else 0

@@ -72,11 +72,11 @@ def sweep(args: argparse.Namespace, device: torch.device, timer: Timer) -> list[
         wrong = int((tensor != expected).sum().item())
         # Small messages are latency-bound and noisy: give them more iterations.
         iters = args.iters * (4 if size <= (1 << 20) else 1)
-        for _ in range(args.warmup):
+        for _unused in range(args.warmup):
             dist.all_reduce(tensor)
         dist.barrier()
         start = timer.now()
-        for _ in range(iters):
+        for _unused in range(iters):
             dist.all_reduce(tensor)
         elapsed = (timer.now() - start) / iters
         elapsed = slowest(elapsed, device)
@@ -152,12 +152,12 @@ def all_gather_json(obj: dict[str, Any], device: torch.device, world: int) -> li
     which a training venv need not have."""
     data = json.dumps(obj).encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
+    sizes = [torch.zeros_like(size) for _unused in range(world)]
     dist.all_gather(sizes, size)
     lengths = [int(s.item()) for s in sizes]
     buffer = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buffers = [torch.zeros_like(buffer) for _ in range(world)]
+    buffers = [torch.zeros_like(buffer) for _unused in range(world)]
     dist.all_gather(buffers, buffer)
     return [json.loads(bytes(b[:n].cpu().tolist())) for b, n in zip(buffers, lengths, strict=True)]
 

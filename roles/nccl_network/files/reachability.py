@@ -21,7 +21,7 @@ from typing import Any
 
 def split_endpoint(text: str) -> tuple[str, int]:
     """Return (address, port) from ADDR:PORT or [IPv6]:PORT."""
-    address, _, port = text.rpartition(":")
+    address, _unused, port = text.rpartition(":")
     return address.strip("[]"), int(port)
 
 
@@ -53,7 +53,7 @@ class Listener(threading.Thread):
     def run(self) -> None:
         while self.sock is not None:
             try:
-                conn, _ = self.sock.accept()
+                conn, _unused = self.sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.timeout
     listeners = []
     for spec in args.listen:
-        endpoint, _, expect = spec.rpartition(":")
+        endpoint, _unused, expect = spec.rpartition(":")
         listener = Listener(*split_endpoint(endpoint), int(expect))
         listener.start()
         listeners.append(listener)
 
     results = []
     for spec in args.connect:
-        name, _, endpoint = spec.partition("=")
+        name, _unused, endpoint = spec.partition("=")
         address, port = split_endpoint(endpoint)
         results.append({"name": name, "address": address, "port": port, **connect(address, port, deadline)})
 

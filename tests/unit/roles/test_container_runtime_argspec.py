@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fake_host import run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 ROLE = REPO / "roles/container_runtime"
@@ -82,7 +82,7 @@ def test_live_restore_turned_off_by_hand_is_turned_on_again_by_reload(module_tmp
 
 
 def test_default_runtime_only_when_asked_and_no_runtime_without_the_toolkit(module_tmp):
-    desired, _ = merge(module_tmp, {}, container_runtime_nvidia_default_runtime=True)
+    desired, _unused = merge(module_tmp, {}, container_runtime_nvidia_default_runtime=True)
     assert desired["default-runtime"] == "nvidia"
-    desired, _ = merge(module_tmp, {}, container_runtime_nvidia_toolkit=False)
+    desired, _unused = merge(module_tmp, {}, container_runtime_nvidia_toolkit=False)
     assert desired == {"live-restore": True}

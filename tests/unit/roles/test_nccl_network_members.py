@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import choose_cluster_interface
-from fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 SUBNET = "10.9.0.0/24"
 PLAYBOOK = """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fake_host import REPO, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, run_playbook
 
 PLAYBOOK = """\
 - name: Read the ports the firewall protects

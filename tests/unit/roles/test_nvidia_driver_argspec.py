@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_host import run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """\

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible.module_utils import distro  # what setup reads os-release with
-from fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inputs
-from test_inference_model import LLAMA_70B, MINILM
-from test_preflight_role import RTX, fake_node, playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_preflight_role import RTX, fake_node, playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.test_inference_model import LLAMA_70B, MINILM
 
 REPO = Path(__file__).resolve().parents[3]
 

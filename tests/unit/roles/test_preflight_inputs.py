@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import yaml
-from fake_host import AFTER_PREFLIGHT, REPO, output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import AFTER_PREFLIGHT, REPO, output_of, run_playbook
 
 PLAYBOOK = (
     """
@@ -76,13 +76,13 @@ def write_inventory(tmp_path: Path, hosts: dict, extra: dict | None = None) -> P
 
 
 def test_every_bad_input_is_refused_and_no_host_goes_on(tmp_path):
-    hosts = {"n0": {}, **{host: variables for host, (variables, _) in BAD.items()}}
+    hosts = {"n0": {}, **{host: variables for host, (variables, _unused) in BAD.items()}}
     started = time.monotonic()
     result = run_playbook(tmp_path, PLAYBOOK, {}, inventory=write_inventory(tmp_path, hosts))
     elapsed = time.monotonic() - started
     out = output_of(result)
     assert result.returncode != 0, out
-    for _, expected in BAD.values():
+    for _unused, expected in BAD.values():
         assert expected in out
     assert "did you mean nvidia_driver_reboot?" in out
     assert "n9: cuda_nccl_dev: expected bool, found '7'" in out

@@ -14,7 +14,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import load_file_module
+from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "roles" / "python_env" / "files" / "venv_state.py"

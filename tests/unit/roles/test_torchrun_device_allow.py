@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import device_allow
-from fake_host import render_job_unit
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import render_job_unit
 
 REPO = Path(__file__).resolve().parents[3]
 PROC_DEVICES = REPO / "tests" / "fixtures" / "proc-devices"

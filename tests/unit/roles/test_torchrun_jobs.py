@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS, JOB_KEYS
-from fake_host import REPO, output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
 
 PLAYBOOK = """\
 - name: Work out the jobs as role probe does

@@ -18,14 +18,14 @@ H200_CSV = REPO / "tests" / "fixtures" / "h200-node" / "nvidia-smi-query.csv"
 
 @pytest.fixture
 def probe_script():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_probe", REPO / "scripts" / "gpu-probe")
 
 
 @pytest.fixture
 def smoke_script():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_smoke", REPO / "scripts" / "gpu-smoke")
 
@@ -56,13 +56,17 @@ def test_probe_runs_with_plain_python_and_the_gpu_sim_pynvml(tmp_path, sim_tree)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env["BUDGETGPU_SIM_PROFILE"] = str(REPO / "roles" / "gpu_sim" / "files" / "profiles" / "h200.json")
     command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-probe"), "--json"]
-    done = subprocess.run([*command, "--sysfs-root", sim_tree("h200")], capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [*command, "--sysfs-root", sim_tree("h200")], capture_output=True, text=True, env=env, check=False
+    )
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["gpus"]["gpus"][0]["name"] == "NVIDIA H200"
     assert data["pcie"]["gpus"][0]["effective"]["width"] == 16
     assert data["net"]["interfaces"]  # from the real /sys: the simulated tree has no class/net
-    bad = subprocess.run([*command, "--sysfs-root", str(tmp_path / "nope")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*command, "--sysfs-root", str(tmp_path / "nope")], capture_output=True, text=True, check=False
+    )
     assert bad.returncode == 2 and "is not a directory" in bad.stderr
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_host import render_job_unit
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import render_job_unit
 
 REPO = Path(__file__).resolve().parents[3]
 PROC_DEVICES = REPO / "tests" / "fixtures" / "proc-devices"
@@ -18,7 +18,7 @@ OLD_LIST = ["char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r
 
 @pytest.fixture(scope="module")
 def smoke():
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     return load_file_module("gpu_smoke_sandbox", REPO / "scripts" / "gpu-smoke")
 
@@ -60,7 +60,7 @@ def test_systemctl_cat_drop_ins_apply_in_order(smoke, unit_file):
     assert allow[-2:] == ["", "char-nvidia-frontend rw"]  # the reset goes to systemd-run as it is
     assert [value for key, value in settings if key == "User"][-1] == "trainer"
     assert not {"ExecStart", "ExecStartPre", "EnvironmentFile", "WorkingDirectory", "Restart"} & {
-        k for k, _ in settings
+        k for k, _unused in settings
     }
     assert smoke.python_of(smoke.unit_properties(cat)) == "/srv/venv/bin/python3"
 
@@ -91,7 +91,9 @@ def test_sandbox_command(smoke):
 
 def test_the_probe_runs_without_a_gpu_and_reports_why(smoke):
     # This machine's python (torch CPU build, or no torch): the result line comes back either way.
-    done = subprocess.run([sys.executable, "-c", smoke.SANDBOX_PROBE], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", smoke.SANDBOX_PROBE], capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr
     result = smoke.parse_sandbox_output(done.stdout)
     assert isinstance(result["nodes"], dict)

@@ -254,7 +254,7 @@ def test_runs_in_the_same_second_sort_after_the_ones_before(tmp_path):
     from datetime import UTC, datetime
 
     started = datetime(2026, 11, 29, 3, 17, tzinfo=UTC)
-    made = [nightly.new_run_dir(tmp_path, started).name for _ in range(3)]
+    made = [nightly.new_run_dir(tmp_path, started).name for _unused in range(3)]
     nightly.rotate(tmp_path, keep=1)
     made.append(nightly.new_run_dir(tmp_path, started).name)
     assert made == ["20261129T031700Z", "20261129T031700Z-1", "20261129T031700Z-2", "20261129T031700Z-3"]
@@ -352,7 +352,7 @@ def test_force_passes_reprovision_force(fake):
 
 
 def test_runs_rotate_to_keep_n(fake):
-    for _ in range(4):
+    for _unused in range(4):
         run_script(fake, "--keep", "2", env={"FAKE_REPORT": str(fake["clean"])})
         time.sleep(0.01)
     assert len(nightly.run_dirs(fake["logs"])) == 2

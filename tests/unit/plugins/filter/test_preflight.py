@@ -131,7 +131,7 @@ def test_a_master_outside_the_group_fails():
 @pytest.mark.parametrize("nproc", [0, 5, -1, "four", True])
 def test_nproc_per_node_out_of_range_fails(nproc):
     result = check(jobs({"nproc_per_node": nproc}))
-    assert any(f == "nproc_per_node" for _, f in fields(result)), result["report"]
+    assert any(f == "nproc_per_node" for _unused, f in fields(result)), result["report"]
 
 
 def test_nproc_above_the_gpu_count_names_each_host():
@@ -347,7 +347,7 @@ def test_a_downgraded_link_is_a_warning_that_names_the_gpu_and_what_to_check():
 )
 def test_bad_fields_are_named(key, value):
     result = check(jobs({key: value}))
-    assert any(f.split(".")[0] == key for _, f in fields(result)), result["report"]
+    assert any(f.split(".")[0] == key for _unused, f in fields(result)), result["report"]
     assert all(line.startswith(("budgetgpu", "  node", "FAIL", "WARN")) for line in result["report"])
 
 

@@ -17,7 +17,7 @@ from ansible_collections.budgetgpu.cluster.plugins.modules.deb_packages import (
     parse_spec,
     unsatisfied,
 )
-from fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 # What `dpkg-query -W -f "${Package}\t${Architecture}\t${Version}\t${db:Status-Abbrev}\n"` prints:
 # the status abbrev is three letters (selection, status, error flag), here ending in a space.

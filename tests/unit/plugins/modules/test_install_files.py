@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 
 def play(tmp_path: Path, *options: str, files: list[dict]) -> tuple[int, dict]:

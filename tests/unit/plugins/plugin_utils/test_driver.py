@@ -25,7 +25,7 @@ def test_flavor_decision_returns_the_problem_instead_of_failing():
 def test_module_options_problems_name_host_variable_and_entry():
     assert module_options_problems({"nvidia": {"NVreg_PreserveVideoMemoryAllocations": 1}}, "node1") == []
     problems = module_options_problems({"nvidia": "NVreg_X=1", "Bad-Name": {}, "nvidia_drm": {"bad-opt": 1}}, "node1")
-    assert [problem.split(" must ")[0] for problem in problems] == [
+    assert [problem.split(" must ", maxsplit=1)[0] for problem in problems] == [
         "node1: nvidia_driver_module_options['nvidia']",
         "node1: nvidia_driver_module_options['Bad-Name']",
         "node1: nvidia_driver_module_options['nvidia_drm']",
