@@ -51,6 +51,8 @@ OTHER_INPUTS = {
     "budgetgpu_simulated": {"type": "bool"},
     "budgetgpu_sysfs_root": {"type": "path"},
     "budgetgpu_safe_mode": {"type": "bool"},
+    # the one control-node directory the playbooks write to (nccl_network_report_dir, reprovision_log_dir)
+    "budgetgpu_state_dir": {"type": "path"},
     "budgetgpu_cuda_repo_url": {"type": "str"},
     "budgetgpu_cuda_repo_key_url": {"type": "str"},
     # scripts/nightly-reprovision --force; read by the probe role (probe_force)

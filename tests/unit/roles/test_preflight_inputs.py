@@ -149,7 +149,7 @@ def test_the_demo_inventory_without_nodes_still_parses(tmp_path):
     # (no hosts.yml) must still parse, so that site.yml says what to do.
     demo = tmp_path / "demo"
     shutil.copytree(REPO / "inventory" / "demo", demo, ignore=shutil.ignore_patterns("hosts.yml", ".ssh"))
-    site = (REPO / "site.yml").read_text().split("- name: Preflight\n")[0]
+    site = (REPO / "playbooks" / "site.yml").read_text().split("- name: Preflight\n")[0]
     result = run_playbook(tmp_path, site, {}, inventory=demo)
     out = output_of(result)
     assert result.returncode != 0
