@@ -11,6 +11,7 @@ One pass, as the watch runs it:
     events, cursor = read_journal(journalctl_lines, state.get("cursor"))       # or read_kern_log
     findings = pass_findings(sample, previous_sample, boot_links, events)
     state, lines = watch_state(state, findings, now)
+    previous_sample = next_previous(sample, previous_sample)                   # saved for the next pass
 
 A sample is {"gpus": [gpu, ...]}; one gpu holds what nvml_probe.probe_gpu reports (index, uuid,
 bus_id, temperature_c, fan_speed_pct, throttle_reasons, retired_pages, remapped_rows, pcie with
@@ -18,7 +19,9 @@ replay_counter, width_current, gen_current) plus what the watch reads on top:
   fans: [{"speed_pct", "target_pct"}] (nvmlDeviceGetFanSpeed_v2 / nvmlDeviceGetTargetFanSpeed per
         fan), or the string "unsupported"; without it fan_speed_pct (and fan_target_pct) count as one fan;
   ecc_double_bit_volatile: nvmlDeviceGetTotalEccErrors(uncorrected, volatile), or "unsupported";
-  aer: {"correctable": text or parsed, "nonfatal": ..., "fatal": ...} from the aer_dev_* sysfs files.
+  aer: {"correctable": text or parsed, "nonfatal": ..., "fatal": ...} from the aer_dev_* sysfs files
+       (the kernel notes that a link partner may count what the endpoint causes: the watch may merge the
+       GPU's and its upstream port's counts, or sample the port as well).
 A value NVML does not support is the string "unsupported" (nvml_probe.UNSUPPORTED); None is unknown.
 Both are skipped: a fan that reports "not supported" is never a dead fan.
 
@@ -398,7 +401,7 @@ def pass_findings(
     """Return every finding of one pass: sample against the previous sample (same shape, matched by
     uuid), boot_links {bus_id: {width, gen}} from the probe, and the pass's Xid events."""
     limits = {**LIMITS, **(limits or {})}
-    before = {gpu.get("uuid"): gpu for gpu in (previous or {}).get("gpus") or []}
+    before = {gpu.get("uuid"): gpu for gpu in _remembered(previous)}
     findings = []
     for gpu in sample.get("gpus") or []:
         then = before.get(gpu.get("uuid")) or {}
@@ -407,7 +410,41 @@ def pass_findings(
         findings += memory_findings(gpu, then)
         findings += link_findings(gpu, then, (boot_links or {}).get(gpu.get("bus_id")) or {}, limits)
         findings += aer_findings(gpu, then, limits)
-    return findings + xid_findings(events or [], sample.get("gpus") or [])
+    # A GPU that fell off the bus is gone from this sample: its Xid finds it in the previous one.
+    current = sample.get("gpus") or []
+    present = {gpu.get("uuid") for gpu in current}
+    known = current + [gpu for uuid, gpu in before.items() if uuid not in present]
+    return findings + missing_findings(sample, previous) + xid_findings(events or [], known)
+
+
+def missing_findings(sample: dict[str, Any], previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Return a take_out finding for each GPU of the previous sample that NVML no longer lists while others
+    still answer (a GPU that fell off the bus). A sample without any GPU (driver not loaded, an upgrade)
+    gives none: that is the driver's state, which the probe reports."""
+    gpus = sample.get("gpus") or []
+    if not gpus:
+        return []
+    present = {gpu.get("uuid") for gpu in gpus}
+    return [
+        _finding(gpu, "gpu_missing", "take_out", "no longer listed by NVML: fallen off the bus?")
+        for gpu in _remembered(previous)
+        if gpu.get("uuid") not in present
+    ]
+
+
+def _remembered(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return ((previous or {}).get("gpus") or []) + ((previous or {}).get("missing") or [])
+
+
+def next_previous(sample: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Return what the caller saves as the previous sample for the next pass: this sample, with the GPUs
+    that went missing kept under "missing" (so that a GPU still gone is not "cleared"); a sample without
+    any GPU keeps the previous one (the counters compare again once the driver is back)."""
+    gpus = sample.get("gpus") or []
+    if not gpus:
+        return previous or {"gpus": []}
+    present = {gpu.get("uuid") for gpu in gpus}
+    return {**sample, "missing": [gpu for gpu in _remembered(previous) if gpu.get("uuid") not in present]}
 
 
 def _status(reasons: dict[str, dict[str, Any]], taken_out: dict[str, Any] | None) -> str:
@@ -440,7 +477,7 @@ def _gpu_transition(
         lines.append(f"{label}: status {entry.get('status', 'ok')} -> {status}")
     new = {"label": label, "bus_id": entry.get("bus_id"), "status": status, "reasons": reasons}
     new["taken_out"] = taken_out
-    new["since"] = entry.get("since") if status == entry.get("status") else now
+    new["since"] = entry.get("since", now) if status == entry.get("status") else now
     return new, lines
 
 

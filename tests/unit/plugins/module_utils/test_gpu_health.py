@@ -384,6 +384,45 @@ def test_pass_findings_puts_it_together():
     assert [f["kind"] for f in gpu_health.pass_findings(now, None, boot)] == ["dead_fan", "link_width"]
 
 
+def test_a_gpu_that_fell_off_the_bus_is_missing_and_its_xid_keeps_its_uuid():
+    before = {"gpus": [gpu(i) for i in range(4)]}
+    now = {"gpus": [gpu(0), gpu(1), gpu(3)]}
+    found = gpu_health.pass_findings(now, before, {}, [gpu_health.parse_xid_line(XID_79)])
+    assert sorted((f["gpu"], f["kind"], f["severity"]) for f in found) == [
+        (UUID2, "gpu_missing", "take_out"),
+        (UUID2, "xid_79", "take_out"),
+    ]
+    assert found[0]["detail"] == "GPU 2 (GPU-30900000..., 0000:03:00.0): no longer listed by NVML: fallen off the bus?"
+
+
+def test_no_gpu_at_all_is_the_driver_not_a_missing_gpu():
+    assert gpu_health.missing_findings({"gpus": []}, {"gpus": [gpu(0)]}) == []
+    assert gpu_health.missing_findings({"gpus": [gpu(0)]}, None) == []
+
+
+def test_a_gpu_still_missing_stays_found_and_clears_when_it_is_back():
+    first = {"gpus": [gpu(i) for i in range(4)]}
+    gone = {"gpus": [gpu(0), gpu(1), gpu(3)]}
+    state, _ = gpu_health.watch_state(None, gpu_health.pass_findings(gone, first, {}), 100)
+    previous = gpu_health.next_previous(gone, first)
+    assert [g["uuid"] for g in previous["missing"]] == [UUID2]
+    state, lines = gpu_health.watch_state(state, gpu_health.pass_findings(gone, previous, {}), 160)
+    assert lines == [] and state["gpus"][UUID2]["status"] == "take_out"
+    previous = gpu_health.next_previous(gone, previous)
+    back = gpu_health.pass_findings(first, previous, {})
+    assert back == []
+    state, lines = gpu_health.watch_state(state, back, 220)
+    assert lines == [f"cleared: {gpu_health.missing_findings(gone, first)[0]['detail']}"]
+    assert state["gpus"][UUID2]["status"] == "take_out"  # until released
+    assert gpu_health.next_previous(first, previous) == {**first, "missing": []}
+
+
+def test_next_previous_keeps_the_previous_sample_while_no_gpu_answers():
+    first = {"gpus": [gpu(0)]}
+    assert gpu_health.next_previous({"gpus": []}, first) is first
+    assert gpu_health.next_previous({"gpus": []}, None) == {"gpus": []}
+
+
 # -- state ---------------------------------------------------------------------------------------------
 
 FAN = gpu_health.fan_findings(gpu(1, temperature_c=84, fans=[{"speed_pct": 0, "target_pct": 80}]), gpu_health.LIMITS)
