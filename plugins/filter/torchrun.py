@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.unit_sandbox import unit_hardening
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
@@ -49,5 +50,5 @@ class FilterModule:
             "systemd_quote": systemd_quote,
             "systemd_exec": systemd_exec,
             "systemd_show": systemd_show,
-            "unit_hardening": jobs.unit_hardening,
+            "unit_hardening": unit_hardening,
         }

@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 from ansible.errors import AnsibleFilterError
 from ansible_collections.budgetgpu.cluster.plugins.filter import torchrun as torchrun_filters
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
-    JOB_DEFAULTS,
-    torchrun_jobs_normalize,
-    unit_hardening,
-)
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.unit_sandbox import unit_hardening
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS, torchrun_jobs_normalize
 
 JOB = {"name": "main", "script": "/srv/train.py"}
 
