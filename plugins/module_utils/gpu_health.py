@@ -521,3 +521,55 @@ def release(state: dict[str, Any], uuid: str, now: Any) -> tuple[dict[str, Any],
     gpus[uuid] = {**entry, "reasons": reasons, "taken_out": None, "status": status, "since": now}
     line = f"{label}: released ({entry.get('status')} -> {status})"
     return {**state, "gpus": gpus}, [line]
+
+
+def boot_links(pcie_facts: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Return {bus_id: {width, gen}}: each GPU's own link as pcie_facts saw it trained (its "link"
+    current width and generation, what NVML's width_current compares with)."""
+    links = {}
+    for gpu in (pcie_facts or {}).get("gpus") or []:
+        link = gpu.get("link") or {}
+        links[normalize_bus_id(str(gpu.get("bus_id")))] = {
+            "width": link.get("current_width"),
+            "gen": link.get("current_gen"),
+        }
+    return links
+
+
+def quarantined(state: dict[str, Any] | None, listed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+    """Return {uuid: {reason, since, by}} of the GPUs out of service: those the watch took out
+    (by "watch", until release()) and those the inventory lists (by "inventory", since None)."""
+    out = {}
+    for uuid in listed:
+        out[str(uuid)] = {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
+    for uuid, entry in ((state or {}).get("gpus") or {}).items():
+        taken = entry.get("taken_out")
+        if taken and uuid not in out:
+            out[uuid] = {"reason": taken.get("reason"), "since": taken.get("since"), "by": "watch"}
+    return out
+
+
+def _out_words(uuid: str, why: dict[str, Any]) -> str:
+    since = f" since {why['since']}" if why.get("since") else ""
+    return f"{uuid} quarantined{since} ({why.get('reason')})"
+
+
+def start_plan(gpus: list[str], out: dict[str, dict[str, Any]], nproc: int, fixed: bool) -> dict[str, Any]:
+    """Return how a job starts on a node whose GPUs (uuids, index order) include quarantined ones (out):
+    {action start|hold, nproc, visible (CUDA_VISIBLE_DEVICES uuids), left_out [words], reason}.
+
+    nproc_per_node "gpu" (fixed false) runs one rank per GPU in service; a fixed count runs on GPUs
+    0..nproc-1 as before (inference workers may hold the others) and is held when one of them is out,
+    as is a job with no GPU left: a job is never started on fewer ranks than it asked for.
+    """
+    wanted = gpus[:nproc] if fixed else gpus
+    left_out = [_out_words(uuid, out[uuid]) for uuid in wanted if uuid in out]
+    visible = [uuid for uuid in wanted if uuid not in out]
+    plan = {"action": "start", "nproc": len(visible), "visible": visible, "left_out": left_out, "reason": ""}
+    if fixed and left_out:
+        plan.update(action="hold", reason=f"nproc_per_node is fixed at {nproc} and {'; '.join(left_out)}")
+    elif not visible:
+        plan.update(action="hold", reason=f"no GPU left in service: {'; '.join(left_out) or 'the node lists no GPU'}")
+    elif left_out:
+        plan["reason"] = f"{len(visible)} of {len(wanted)} GPUs: left out {'; '.join(left_out)}"
+    return plan

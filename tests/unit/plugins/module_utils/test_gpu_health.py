@@ -521,3 +521,60 @@ def test_bench_pass_runs():
     state = bench_pass()
     statuses = {key: entry["status"] for key, entry in state["gpus"].items()}
     assert statuses == {gpu(0)["uuid"]: "warn", UUID1: "take_out", UUID2: "take_out", gpu(3)["uuid"]: "warn"}
+
+
+# -- quarantine and the next start --------------------------------------------------------------
+
+UUIDS = [gpu(i)["uuid"] for i in range(4)]
+
+
+def test_boot_links_are_each_gpus_own_trained_link():
+    facts = {
+        "gpus": [{"bus_id": "0000:04:00.0", "link": {"current_width": 1, "current_gen": 3}, "effective": {"width": 1}}]
+    }
+    assert gpu_health.boot_links(facts) == {"0000:04:00.0": {"width": 1, "gen": 3}}
+    assert gpu_health.boot_links(None) == {}
+
+
+def test_quarantined_holds_the_watchs_take_outs_and_the_inventorys_list():
+    findings = gpu_health.pass_findings({"gpus": [gpu(0), gpu(1, temperature_c=90, fans=[{"speed_pct": 0}])]}, None, {})
+    state, _ = gpu_health.watch_state(None, findings, "t1")
+    out = gpu_health.quarantined(state, [UUIDS[3]])
+    assert out[UUIDS[3]] == {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
+    assert out[UUIDS[1]]["by"] == "watch" and out[UUIDS[1]]["since"] == "t1" and "fan 0%" in out[UUIDS[1]]["reason"]
+    assert set(out) == {UUIDS[1], UUIDS[3]}
+    released, _ = gpu_health.release(state, UUIDS[1], "t2")
+    assert gpu_health.quarantined(released) == {}
+
+
+OUT = {UUIDS[2]: {"reason": "fan dead", "since": "t1", "by": "watch"}}
+
+
+@pytest.mark.parametrize(
+    ("nproc", "fixed", "action", "visible"),
+    [
+        (4, False, "start", [UUIDS[0], UUIDS[1], UUIDS[3]]),  # one rank per GPU in service
+        (4, True, "hold", [UUIDS[0], UUIDS[1], UUIDS[3]]),  # a fixed size never runs on fewer
+        (2, True, "start", UUIDS[:2]),  # GPUs 0 and 1 are all it uses
+        (3, True, "hold", UUIDS[:2]),
+    ],
+)
+def test_start_plan(nproc, fixed, action, visible):
+    plan = gpu_health.start_plan(UUIDS, OUT, nproc, fixed)
+    assert (plan["action"], plan["visible"]) == (action, visible)
+    assert plan["nproc"] == len(visible)
+    if action == "hold":
+        assert plan["reason"] == f"nproc_per_node is fixed at {nproc} and {UUIDS[2]} quarantined since t1 (fan dead)"
+
+
+def test_start_plan_holds_a_job_with_no_gpu_left_and_changes_nothing_when_none_is_out():
+    every = {uuid: {"reason": "listed", "since": None} for uuid in UUIDS}
+    plan = gpu_health.start_plan(UUIDS, every, 4, False)
+    assert plan["action"] == "hold" and plan["reason"].startswith("no GPU left in service: ")
+    assert gpu_health.start_plan(UUIDS, {}, 4, False) == {
+        "action": "start",
+        "nproc": 4,
+        "visible": UUIDS,
+        "left_out": [],
+        "reason": "",
+    }
