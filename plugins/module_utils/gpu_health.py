@@ -39,41 +39,50 @@ SEVERITIES = ("info", "warn", "take_out")
 
 # Xid catalogue: xid -> (class, what it means). Classes: "info" (nothing to do), "restart" (restart
 # the application; the GPU stays in service), "take_out" (quarantine the GPU until a person resets,
-# checks and releases it). Sources: NVIDIA, "Xid Errors" (https://docs.nvidia.com/deploy/xid-errors/
-# index.html, its Xid table and the "Analyzing Xid Errors with the Xid Catalog" page's resolution
-# buckets: RESTART_APP -> "restart"; RESET_GPU, RESTART_BM, WORKFLOW_XID_48 and hardware/field
-# diagnostics -> "take_out"; IGNORE or "consequence of an earlier error" -> "info"). 63 and 94 are
-# take_out here although NVIDIA lets the application restart first: the GPU needs a reset for the
-# remap or the contained page to take effect, which a running cluster does only with the GPU out.
+# checks and releases it). Source: NVIDIA, "Analyzing Xid Errors with the Xid Catalog"
+# (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html, the catalogue of Ampere and
+# newer GPUs, release 610), its "Resolution Bucket (Immediate Action)" column: IGNORE -> "info";
+# RESTART_APP -> "restart"; RESET_GPU, RESTART_BM, WORKFLOW_XID_48 and the NVLink workflow ->
+# "take_out". Checked on 2026-12-01 against that page (rows 1-13 in the stored copy) and a row-by-row
+# transcription of the same catalogue for the rest; the Xids the catalogue marks unused on Ampere and
+# newer (56, 61, 81) keep their meaning on older cards. Changed from the first draft by that check:
+# 63 (the row remapping event itself: IGNORE, the pending remap is NVML's remapped_rows finding),
+# 92 (excessive single-bit ECC interrupts: IGNORE, contact support if it persists) and 38, 43, 44
+# (IGNORE) are info; 94 (an ECC error contained to one application) is RESTART_APP; 109 (context
+# switch timeout) is RESET_GPU; 46, 110, 143 and 158 were added (RESET_GPU).
 XID_CATALOGUE: dict[int, tuple[str, str]] = {
     8: ("restart", "GPU stopped processing (channel idle timeout)"),
     13: ("restart", "graphics engine exception (usually the application: out-of-range access, illegal instruction)"),
     31: ("restart", "GPU memory page fault (usually the application's illegal address)"),
     32: ("restart", "invalid or corrupted push buffer stream"),
-    38: ("restart", "driver firmware error"),
-    43: ("restart", "GPU stopped processing (the application's channel was reset)"),
-    44: ("restart", "graphics engine fault during a context switch"),
+    38: ("info", "driver firmware watchdog timeout"),
+    43: ("info", "GPU stopped processing (the application's channel was reset)"),
+    44: ("info", "graphics engine fault during a context switch"),
     45: ("info", "preemptive cleanup after an earlier error (follows another Xid)"),
+    46: ("take_out", "GPU stopped processing (GPU timeout): reset the GPU"),
     48: ("take_out", "double-bit ECC error"),
     56: ("info", "display engine error"),
     61: ("restart", "internal micro-controller breakpoint/warning"),
     62: ("take_out", "internal micro-controller halt"),
-    63: ("take_out", "ECC page retirement or row remapping event: reset the GPU to apply it"),
+    63: ("info", "ECC page retirement or row remapping event (applied at the next GPU reset)"),
     64: ("take_out", "ECC page retirement or row remapping failure"),
     68: ("restart", "video decoder (NVDEC) exception"),
     69: ("restart", "graphics engine class error"),
     74: ("take_out", "NVLink error"),
     79: ("take_out", "GPU has fallen off the bus"),
     81: ("info", "VGA subsystem error"),
-    92: ("take_out", "high single-bit ECC error rate"),
-    94: ("take_out", "contained ECC error"),
+    92: ("info", "high single-bit ECC error rate (contact support if it persists)"),
+    94: ("restart", "contained ECC error (the application that hit it must restart)"),
     95: ("take_out", "uncontained ECC error"),
-    109: ("restart", "context switch timeout"),
+    109: ("take_out", "context switch timeout: reset the GPU"),
+    110: ("take_out", "security fault error"),
     119: ("take_out", "GSP RPC timeout"),
     120: ("take_out", "GSP error"),
     121: ("info", "corrected C2C link error"),
     140: ("take_out", "unrecovered ECC error"),
+    143: ("take_out", "GPU initialization error"),
     154: ("take_out", "GPU recovery action changed: the driver asks for a GPU reset, drain or reboot"),
+    158: ("take_out", "GPU fatal timeout"),
 }
 _XID_SEVERITY = {"info": "info", "restart": "warn", "take_out": "take_out"}
 
