@@ -145,3 +145,13 @@ def test_the_launcher_holds_a_fixed_size_job_that_needs_the_gpu(tmp_path, capsys
 def test_the_launcher_without_a_watch_starts_as_before(tmp_path):
     argv, env = launcher_argv({}, tmp_path, 4, fixed=False)
     assert argv[1] == "--nproc-per-node=4" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_check_tells_an_inference_worker_whether_its_gpu_is_in_service(watch):
+    script, config, _inject = watch
+    script.run_pass(config, "t0")
+    assert script.check(config, GPUS[0]) == (0, f"GPU {GPUS[0]} is in service")
+    assert script.check(config, GPUS[1]) == (
+        1,
+        f"node1: not starting: {GPUS[1]} quarantined (listed in gpu_health_quarantine)",
+    )
