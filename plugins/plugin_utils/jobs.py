@@ -174,6 +174,11 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         # Facts the preflight role sets on each node (CONTRIBUTING lists them).
         "scripts_found": hostvars.get("budgetgpu_preflight_scripts") or {},
         "jobs_digest": hostvars.get("budgetgpu_preflight_jobs_digest"),
+        # Role gpu_health's quarantined GPUs ({uuid: {reason, since, by}}): its local fact, read by
+        # preflight's setup, or the fact it sets in a run.
+        "gpu_quarantine": ((facts.get("ansible_local") or {}).get("budgetgpu_gpu_health") or {}).get("quarantine")
+        or hostvars.get("budgetgpu_gpu_quarantine")
+        or {},
     }
 
 

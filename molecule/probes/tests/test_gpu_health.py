@@ -117,6 +117,12 @@ def test_the_next_job_start_leaves_the_quarantined_gpus_out_or_holds_a_fixed_job
     assert held["argv"] is None and "held, not started: nproc_per_node is fixed at 4" in held["log"]
     one = plan(host, nproc=1, fixed=True)  # GPU 0 only: nothing it needs is out
     assert (one["argv"], one["visible"]) == (["--nproc-per-node=1", "train.py"], None)
+    # An inference worker's ExecCondition, and the local fact preflight reads.
+    worker = host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {FAULTY}")
+    assert worker.rc == 1 and f"probes-3090: not starting: {FAULTY} quarantined since" in worker.stderr
+    assert host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {GPUS[0]}").rc == 0
+    fact = json.loads(host.check_output("/etc/ansible/facts.d/budgetgpu_gpu_health.fact"))
+    assert set(fact["quarantine"]) == {LISTED, FAULTY}
 
 
 def release(gpu: str) -> subprocess.CompletedProcess:

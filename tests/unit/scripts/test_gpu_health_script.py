@@ -155,3 +155,15 @@ def test_check_tells_an_inference_worker_whether_its_gpu_is_in_service(watch):
         1,
         f"node1: not starting: {GPUS[1]} quarantined (listed in gpu_health_quarantine)",
     )
+
+
+def test_fact_prints_the_quarantine_for_ansibles_local_facts(watch, tmp_path, capsys):
+    script, config, _inject = watch
+    script.run_pass(config, "t0")
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    assert script.main(["--config", str(tmp_path / "cfg.json"), "fact"]) == 0
+    fact = json.loads(capsys.readouterr().out)
+    assert fact == {
+        "quarantine": {GPUS[1]: {"by": "inventory", "reason": "listed in gpu_health_quarantine", "since": None}},
+        "updated": "t0",
+    }
