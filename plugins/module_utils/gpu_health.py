@@ -547,11 +547,17 @@ def boot_links(pcie_facts: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
 def quarantined(state: dict[str, Any] | None, listed: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """Return {uuid: {reason, since, by}} of the GPUs out of service: those the watch took out
-    (by "watch", until release()) and those the inventory lists (by "inventory", since None)."""
-    out = {}
-    for uuid in listed:
-        out[str(uuid)] = {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
-    for uuid, entry in ((state or {}).get("gpus") or {}).items():
+    (by "watch", until release()) and those of this node the inventory lists (by "inventory", since
+    None; a list in group_vars names the GPUs of every node, each node keeps its own: those of its
+    previous sample, present or missing)."""
+    state = state or {}
+    mine = {gpu.get("uuid") for gpu in _remembered(state.get("previous"))}
+    out = {
+        str(uuid): {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
+        for uuid in listed
+        if uuid in mine
+    }
+    for uuid, entry in (state.get("gpus") or {}).items():
         taken = entry.get("taken_out")
         if taken and uuid not in out:
             out[uuid] = {"reason": taken.get("reason"), "since": taken.get("since"), "by": "watch"}

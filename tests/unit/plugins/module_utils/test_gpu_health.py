@@ -546,7 +546,8 @@ def test_boot_links_are_each_gpus_own_trained_link():
 def test_quarantined_holds_the_watchs_take_outs_and_the_inventorys_list():
     findings = gpu_health.pass_findings({"gpus": [gpu(0), gpu(1, temperature_c=90, fans=[{"speed_pct": 0}])]}, None, {})
     state, _ = gpu_health.watch_state(None, findings, "t1")
-    out = gpu_health.quarantined(state, [UUIDS[3]])
+    state["previous"] = {"gpus": [gpu(i) for i in range(4)]}
+    out = gpu_health.quarantined(state, [UUIDS[3], "GPU-of-another-node"])
     assert out[UUIDS[3]] == {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
     assert out[UUIDS[1]]["by"] == "watch" and out[UUIDS[1]]["since"] == "t1" and "fan 0%" in out[UUIDS[1]]["reason"]
     assert set(out) == {UUIDS[1], UUIDS[3]}
