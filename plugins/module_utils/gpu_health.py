@@ -131,22 +131,18 @@ LIMITS: dict[str, Any] = {
 }
 
 
+_BUS_ID = re.compile(r"^(?:([0-9a-f]+):)?([0-9a-f]{2}):([0-9a-f]{2})(?:\.([0-7]))?$")
+
+
 def normalize_bus_id(bus_id: str) -> str:
     """Return a bus id in sysfs form, the rule of pcie.normalize_bus_id (kept equal by a test; this file
     imports nothing of the collection), plus: the function-less "0000:01:00" of Xid lines is function 0."""
     text = bus_id.strip().lower()
-    parts = text.split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0000")
-    if len(parts) != 3:
+    match = _BUS_ID.match(text)
+    if not match:
         return text
-    try:
-        domain = format(int(parts[0], 16), "04x")
-    except ValueError:
-        return text
-    if "." not in parts[2]:
-        parts[2] += ".0"
-    return f"{domain}:{parts[1]}:{parts[2]}"
+    domain, bus, device, function = match.groups()
+    return f"{int(domain or '0', 16):04x}:{bus}:{device}.{function or '0'}"
 
 
 def classify_xid(xid: int) -> tuple[str, str]:

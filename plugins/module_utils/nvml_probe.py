@@ -230,10 +230,15 @@ def _throttle_mask(reader: _Reader, handle: Any) -> Any:
     return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
 
 
+def _device(nvml: Any, index: int) -> tuple[_Reader, Any]:
+    """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
+    reader = _Reader(nvml)
+    return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+
+
 def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """Return one GPU's NVML facts."""
-    reader = _Reader(nvml)
-    handle = reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+    reader, handle = _device(nvml, index)
     if not _known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
@@ -334,13 +339,11 @@ def _fans(reader: _Reader, handle: Any) -> Any:
 def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """Return what the health watch reads of one GPU each pass (gpu_health's sample shape): fewer
     calls than probe_gpu, which also reads what does not change (name, VBIOS, NVLinks, NUMA)."""
-    reader = _Reader(nvml)
-    handle = reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+    reader, handle = _device(nvml, index)
     if not _known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
-    pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
-    power = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)
+    power, pci = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle), get("bus_id", "nvmlDeviceGetPciInfo", handle)
     gpu = {
         "index": index,
         "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
