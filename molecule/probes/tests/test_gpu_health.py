@@ -130,8 +130,9 @@ def release(gpu: str) -> subprocess.CompletedProcess:
     argv += [os.path.join(REPO, "playbooks", "gpu_release.yml"), "-e", f"gpu={gpu}"]
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
     done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
-    # The callback wraps long messages (with a literal \n in its quoted form): compare words, not lines.
-    words = " ".join(done.stdout.replace("\\n", " ").split())
+    # Failures go to stderr, and the callback wraps long messages (a literal \n in its quoted form):
+    # the test reads both streams, as words.
+    words = " ".join((done.stdout + done.stderr).replace("\\n", " ").split())
     return subprocess.CompletedProcess(argv, done.returncode, words, done.stderr)
 
 
