@@ -167,3 +167,17 @@ def test_fact_prints_the_quarantine_for_ansibles_local_facts(watch, tmp_path, ca
         "quarantine": {GPUS[1]: {"by": "inventory", "reason": "listed in gpu_health_quarantine", "since": None}},
         "updated": "t0",
     }
+
+
+def test_the_launcher_starts_as_before_when_it_cannot_read_the_state(tmp_path, capsys):
+    from conftest import load_file_module
+
+    launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
+    (tmp_path / "state.json").write_text("{half a file")
+    env = {
+        "BUDGETGPU_GPUS": ",".join(GPUS),
+        "BUDGETGPU_GPU_HEALTH_STATE": str(tmp_path / "state.json"),
+        "BUDGETGPU_GPU_HEALTH_UTILS": str(REPO / "plugins" / "module_utils" / "gpu_health.py"),
+    }
+    assert launcher.gpu_health_argv(["--nproc-per-node=4", "train.py"], env) == ["--nproc-per-node=4", "train.py"]
+    assert "cannot read the GPU health state" in capsys.readouterr().out
