@@ -45,6 +45,8 @@ from ansible.plugins.callback import CallbackBase
 REPORTED_FACTS = {
     "budgetgpu_jobs_active": "jobs_active",
     "budgetgpu_disruption_allowed": "disruption_allowed",
+    # Role gpu_health: the GPUs out of service, {uuid: {reason, since, by}}.
+    "budgetgpu_gpu_quarantine": "gpu_quarantine",
 }
 PENDING_FACT = "budgetgpu_pending"
 REPORT_FORMAT = 1
@@ -63,6 +65,7 @@ def new_host_record() -> dict[str, Any]:
         "pending": [],
         "jobs_active": [],
         "disruption_allowed": None,
+        "gpu_quarantine": {},
         "stats": {},
     }
 

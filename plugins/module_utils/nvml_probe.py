@@ -230,10 +230,15 @@ def _throttle_mask(reader: _Reader, handle: Any) -> Any:
     return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
 
 
+def _device(nvml: Any, index: int) -> tuple[_Reader, Any]:
+    """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
+    reader = _Reader(nvml)
+    return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+
+
 def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """Return one GPU's NVML facts."""
-    reader = _Reader(nvml)
-    handle = reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+    reader, handle = _device(nvml, index)
     if not _known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
@@ -307,6 +312,72 @@ def probe_nvml(nvml: Any, proc_root: str = "/proc", modules_root: str = "/lib/mo
         count = reader.get("count", "nvmlDeviceGetCount")
         gpus = [probe_gpu(nvml, index) for index in range(count if _known(count) else 0)]
         return {"driver": driver, "count": len(gpus), "gpus": gpus}
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()
+
+
+# NVML constants of the health watch's reads (nvml.h): the uncorrected volatile ECC counter.
+MEMORY_ERROR_TYPE_UNCORRECTED = 1
+VOLATILE_ECC = 0
+
+
+def _fans(reader: _Reader, handle: Any) -> Any:
+    """Return [{speed_pct, target_pct}] per fan, or UNSUPPORTED (a passive or water-cooled card)."""
+    count = reader.get("fans", "nvmlDeviceGetNumFans", handle)
+    if not _known(count):
+        return count
+    return [
+        {
+            "speed_pct": reader.get("fans", "nvmlDeviceGetFanSpeed_v2", handle, fan),
+            "target_pct": reader.get("fans", "nvmlDeviceGetTargetFanSpeed", handle, fan),
+        }
+        for fan in range(count)
+    ]
+
+
+def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
+    """Return what the health watch reads of one GPU each pass (gpu_health's sample shape): fewer
+    calls than probe_gpu, which also reads what does not change (name, VBIOS, NVLinks, NUMA)."""
+    reader, handle = _device(nvml, index)
+    if not _known(handle):
+        return {"index": index, "errors": reader.errors}
+    get = reader.get
+    power, pci = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle), get("bus_id", "nvmlDeviceGetPciInfo", handle)
+    gpu = {
+        "index": index,
+        "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
+        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
+        "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
+        "fans": _fans(reader, handle),
+        "power_draw_w": round(power / 1000, 2) if _known(power) else power,
+        "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
+        "throttle_reasons": _throttle_mask(reader, handle),
+        "ecc_double_bit_volatile": get(
+            "ecc", "nvmlDeviceGetTotalEccErrors", handle, MEMORY_ERROR_TYPE_UNCORRECTED, VOLATILE_ECC
+        ),
+        "retired_pages": _retired_pages(reader, handle),
+        "remapped_rows": _remapped_rows(reader, handle),
+        "pcie": {
+            "gen_current": get("pcie.gen_current", "nvmlDeviceGetCurrPcieLinkGeneration", handle),
+            "width_current": get("pcie.width_current", "nvmlDeviceGetCurrPcieLinkWidth", handle),
+            "replay_counter": get("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter", handle),
+        },
+    }
+    gpu["errors"] = reader.errors
+    return gpu
+
+
+def health_sample(nvml: Any) -> dict[str, Any]:
+    """Return {driver_state, gpus} for one watch pass; no GPU when NVML does not start (the driver's
+    state is the probe's to report, the watch then compares nothing)."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return {"driver_state": f"nvmlInit failed: {exc}", "gpus": []}
+    try:
+        count = _Reader(nvml).get("count", "nvmlDeviceGetCount")
+        return {"driver_state": "loaded", "gpus": [health_gpu(nvml, i) for i in range(count if _known(count) else 0)]}
     finally:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()

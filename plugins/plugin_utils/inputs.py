@@ -81,6 +81,7 @@ ROLE_FACTS = frozenset(
         "budgetgpu_jobs",
         "budgetgpu_preflight_scripts",
         "budgetgpu_preflight_jobs_digest",
+        "budgetgpu_gpu_quarantine",
     }
 )
 # Lists whose items' fields preflight checks, naming job or service and field (cluster_check,

@@ -156,6 +156,7 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         "host": host,
         "probed": gpus is not None or pcie is not None,
         "gpu_count": gpu_count,
+        "gpu_uuids": [g.get("uuid") for g in (gpus or {}).get("gpus") or [] if g.get("uuid")] if loaded else [],
         "gpu_models": [m for m in models if m],
         "driver_state": driver.get("state"),
         "driver_version": driver.get("version"),
@@ -173,6 +174,11 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         # Facts the preflight role sets on each node (CONTRIBUTING lists them).
         "scripts_found": hostvars.get("budgetgpu_preflight_scripts") or {},
         "jobs_digest": hostvars.get("budgetgpu_preflight_jobs_digest"),
+        # Role gpu_health's quarantined GPUs ({uuid: {reason, since, by}}): its local fact, read by
+        # preflight's setup, or the fact it sets in a run.
+        "gpu_quarantine": ((facts.get("ansible_local") or {}).get("budgetgpu_gpu_health") or {}).get("quarantine")
+        or hostvars.get("budgetgpu_gpu_quarantine")
+        or {},
     }
 
 
@@ -314,6 +320,10 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
         "PYTHONUNBUFFERED": "1",
     }
+    if node.get("gpu_uuids"):
+        # The launcher leaves quarantined GPUs out at each start (role gpu_health; gpu_health.start_plan).
+        env["BUDGETGPU_GPUS"] = ",".join(node["gpu_uuids"])
+        env["BUDGETGPU_NPROC_FIXED"] = "0" if job.get("nproc_per_node") in ("gpu", "auto", None) else "1"
     if job.get("rendezvous") != "static":
         # The workers get a store of their own for each rendezvous round. torch's default shares
         # the agent's store across in-place restarts, and a restarted worker then read its peers'

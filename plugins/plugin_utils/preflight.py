@@ -449,6 +449,19 @@ def _check_pcie(host: str, node: Mapping[str, Any]) -> tuple[list[Problem], list
     return problems, warnings
 
 
+def _check_quarantine(host: str, node: Mapping[str, Any]) -> list[Problem]:
+    """Warnings for the GPUs role gpu_health (or the inventory) quarantined: jobs start without them."""
+    warnings = []
+    for uuid, why in sorted((node.get("gpu_quarantine") or {}).items()):
+        found = f"quarantined since {why.get('since') or '(inventory)'}: {why.get('reason')}"
+        hint = (
+            "jobs start without it (one rank fewer; a fixed nproc_per_node that needs it is held) and its "
+            f"inference worker does not start; return it with playbooks/gpu_release.yml -e gpu={uuid} once fixed"
+        )
+        warnings.append(_problem(host, None, f"GPU {uuid}", found, "in service", hint))
+    return warnings
+
+
 def _line(level: str, item: Mapping[str, Any]) -> str:
     job = f"job {item['job']} " if item.get("job") else ""
     hint = f": {item['hint']}" if item.get("hint") else ""
@@ -486,7 +499,7 @@ def cluster_check(
     for host in sorted(nodes):
         pcie_problems, pcie_warnings = _check_pcie(host, nodes[host])
         problems += pcie_problems
-        warnings += pcie_warnings
+        warnings += pcie_warnings + _check_quarantine(host, nodes[host])
     summary = f"{len(nodes)} nodes, {len(jobs)} jobs: {len(problems)} problems, {len(warnings)} warnings"
     report = [f"budgetgpu preflight: {summary}"] + [_node_line(host, nodes[host]) for host in sorted(nodes)]
     report += [_line("FAIL", p) for p in problems] + [_line("WARN", w) for w in warnings]

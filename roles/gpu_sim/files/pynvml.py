@@ -5,6 +5,12 @@ calls that budgetgpu's probes make, with the real module's names, error classes 
 The profile is read at nvmlInit from $BUDGETGPU_SIM_PROFILE or /etc/budgetgpu-sim/profile.json;
 without one, nvmlInit fails as NVML does on a node without libnvidia-ml.so.1.
 
+Faults for tests: at every nvmlInit the drop-in also reads $BUDGETGPU_SIM_FAULTS or
+/etc/budgetgpu-sim/faults.json, {"<GPU uuid>": {<nvml key>: value, ...}}, and lays those keys over
+the GPU's answers ({"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": 900,
+"pcie_width_cur": 1, "ecc_dbe_volatile": 2}); {"gone": true} takes the GPU off the bus (NVML no longer
+lists it). A process that calls nvmlInit again (the health watch, once a pass) sees the new faults.
+
 Per GPU answers live under the PCI function's "nvml" key, with the keys of
 tests/fixtures/h200-node/nvml.json; a string "ERR:NVMLError_<Name>..." makes that call raise
 NVMLError_<Name>. PCIe generation and width default to the function's sysfs link attributes.
@@ -18,6 +24,7 @@ import re
 from typing import Any
 
 PROFILE_DEFAULT = "/etc/budgetgpu-sim/profile.json"
+FAULTS_DEFAULT = "/etc/budgetgpu-sim/faults.json"
 
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
@@ -160,7 +167,7 @@ def nvmlInitWithFlags(flags: int) -> None:
     init_error = profile.get("nvml", {}).get("init_error")
     if init_error:
         _answer(init_error)
-    _state["profile"] = profile
+    _state["profile"] = _with_faults(profile)
     _state["refcount"] += 1
 
 
@@ -344,3 +351,59 @@ def nvmlDeviceGetRetiredPagesPendingStatus(handle: _Handle) -> int:
 def nvmlDeviceGetRemappedRows(handle: _Handle) -> tuple[int, int, int, int]:
     correctable, uncorrectable, pending, failure = handle.get("remapped_rows", "ERR:NVMLError_NotSupported")
     return (correctable, uncorrectable, pending, failure)
+
+
+# -- the health watch's reads (fans, ECC counters) and the faults tests inject ---------------------
+
+
+def _with_faults(profile: dict[str, Any]) -> dict[str, Any]:
+    """Return the profile with the faults file's keys laid over each named GPU's answers."""
+    try:
+        with open(os.environ.get("BUDGETGPU_SIM_FAULTS", FAULTS_DEFAULT), encoding="utf-8") as handle:
+            faults = json.load(handle)
+    except (OSError, ValueError):
+        return profile
+    functions = []
+    for function in profile.get("pci", []):
+        fault = faults.get(str(function.get("nvml", {}).get("uuid"))) if "nvml" in function else None
+        if fault and fault.get("gone"):
+            function = {key: value for key, value in function.items() if key != "nvml"}
+        elif fault:
+            function = {**function, "nvml": {**function["nvml"], **fault}}
+        functions.append(function)
+    return {**profile, "pci": functions}
+
+
+def _fan_list(handle: _Handle) -> list[dict[str, Any]]:
+    """Return the GPU's fans: "fans" [{speed, target}], else one fan from "fan" (target "fan_target")."""
+    fans = handle.get("fans")
+    if fans is not None:
+        return fans
+    speed = handle.get("fan", "ERR:NVMLError_NotSupported")
+    return [{"speed": speed, "target": handle.get("fan_target", speed)}]
+
+
+def nvmlDeviceGetNumFans(handle: _Handle) -> int:
+    return len(_fan_list(handle))
+
+
+def _fan(handle: _Handle, fan: int) -> dict[str, Any]:
+    fans = _fan_list(handle)
+    if not 0 <= fan < len(fans):
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    return fans[fan]
+
+
+def nvmlDeviceGetFanSpeed_v2(handle: _Handle, fan: int) -> int:
+    return _answer(_fan(handle, fan)["speed"])
+
+
+def nvmlDeviceGetTargetFanSpeed(handle: _Handle, fan: int) -> int:
+    return _answer(_fan(handle, fan)["target"])
+
+
+def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: int) -> int:
+    # Uncorrected (1) volatile (0) is what the watch reads; a card without ECC does not support it.
+    handle.get("ecc", "ERR:NVMLError_NotSupported")
+    key = "ecc_dbe_volatile" if error_type == 1 else "ecc_sbe_volatile"
+    return handle.get(key if counter_type == 0 else key.replace("volatile", "aggregate"), 0)

@@ -51,6 +51,28 @@ def function_dirs(functions: list[dict[str, Any]]) -> dict[str, str]:
     return paths
 
 
+# The kernel's aer_dev_* files (drivers/pci/pcie/aer.c): one "NAME COUNT" line per error it knows,
+# then TOTAL_ERR_*. A GPU of a profile without its own gets zero counters, which tests then grow.
+AER_ERRORS = {
+    "aer_dev_correctable": (["RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr"], "TOTAL_ERR_COR"),
+    "aer_dev_nonfatal": (
+        ["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "UnxCmplt", "ECRC"],
+        "TOTAL_ERR_NONFATAL",
+    ),
+    "aer_dev_fatal": (["Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "UnxCmplt", "ECRC"], "TOTAL_ERR_FATAL"),
+}
+
+
+def aer_attributes(function: dict[str, Any]) -> dict[str, str]:
+    """Return zeroed aer_dev_* file contents for a GPU function (one with "nvml"), else nothing."""
+    if "nvml" not in function:
+        return {}
+    return {
+        name: "\n".join([f"{error} 0" for error in errors] + [f"{total} 0"])
+        for name, (errors, total) in AER_ERRORS.items()
+    }
+
+
 def render_sysfs(profile: dict[str, Any], root: str) -> None:
     """Write the profile's functions under root as sysfs has them (files and bus symlinks)."""
     functions = profile.get("pci", [])
@@ -61,7 +83,7 @@ def render_sysfs(profile: dict[str, Any], root: str) -> None:
         relative = dirs[function["bdf"]]
         device_dir = os.path.join(root, relative)
         os.makedirs(device_dir, exist_ok=True)
-        for key, value in function.items():
+        for key, value in {**aer_attributes(function), **function}.items():
             if key not in NOT_ATTRIBUTES:
                 with open(os.path.join(device_dir, key), "w", encoding="ascii") as handle:
                     handle.write(f"{value}\n")

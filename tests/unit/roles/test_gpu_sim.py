@@ -73,3 +73,35 @@ def test_renderer_replaces_another_profile_and_keeps_its_own(render_sim, tmp_pat
     assert sorted(os.listdir(os.path.join(root, "bus", "pci", "devices")))[0] == "0000:00:01.0"
     assert not os.path.exists(os.path.join(root, "devices", "pci0000:00", "0000:00:06.0"))  # the H200 is gone
     assert pcie.probe_pcie(root)["count"] == 2
+
+
+@pytest.mark.parametrize("profile", [p.stem for p in PROFILES])
+def test_the_watchs_sample_agrees_with_the_probe(profile, fake_pynvml, tmp_path, monkeypatch):
+    monkeypatch.setenv("BUDGETGPU_SIM_FAULTS", str(tmp_path / "none.json"))
+    fake = fake_pynvml(profile)
+    probed, sample = nvml_probe.probe_nvml(fake, str(tmp_path), str(tmp_path)), nvml_probe.health_sample(fake)
+    assert len(sample["gpus"]) == probed["count"]
+    for gpu, watched in zip(probed["gpus"], sample["gpus"], strict=True):
+        for key in ("uuid", "bus_id", "temperature_c", "power_draw_w", "retired_pages", "remapped_rows"):
+            assert watched[key] == gpu[key], key
+        assert nvml_probe.decode_throttle_reasons(watched["throttle_reasons"]) == gpu["throttle_reasons"]
+        assert watched["pcie"]["replay_counter"] == gpu["pcie"]["replay_counter"]
+        fans = watched["fans"]
+        assert (
+            fans == "unsupported"
+            if gpu["fan_speed_pct"] == "unsupported"
+            else fans[0]["speed_pct"] == gpu["fan_speed_pct"]
+        )
+
+
+def test_faults_lay_over_one_gpu_and_gone_takes_it_off_the_bus(fake_pynvml, tmp_path, monkeypatch):
+    faults = tmp_path / "faults.json"
+    monkeypatch.setenv("BUDGETGPU_SIM_FAULTS", str(faults))
+    fake = fake_pynvml("h200")
+    uuid = nvml_probe.health_sample(fake)["gpus"][0]["uuid"]
+    faults.write_text(json.dumps({uuid: {"temp": 91, "ecc_dbe_volatile": 2, "remapped_rows": [0, 3, 0, 1]}}))
+    gpu = nvml_probe.health_sample(fake)["gpus"][0]  # nvmlInit rereads the faults
+    assert (gpu["temperature_c"], gpu["ecc_double_bit_volatile"]) == (91, 2)
+    assert gpu["remapped_rows"] == {"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}
+    faults.write_text(json.dumps({uuid: {"gone": True}}))
+    assert nvml_probe.health_sample(fake)["gpus"] == []

@@ -405,3 +405,15 @@ def test_lock_holder_text_survives_a_refused_attempt(tmp_path):
         assert json.loads((tmp_path / "nightly.lock").read_text())["pid"] == 4242
     finally:
         nightly.release_lock(lock)
+
+
+def test_summary_reports_each_quarantined_gpu_with_reason_and_time():
+    out = {
+        "GPU-2": {"reason": "GPU 2: fan 0% (target 80%) at 88 C: fan dead?", "since": "2026-12-01T02:00:00Z"},
+        "GPU-1": {"reason": "listed in gpu_health_quarantine", "since": None},
+    }
+    assert nightly.host_lines("node1", {"gpu_quarantine": out}) == [
+        "node1: no drift",
+        "  QUARANTINED GPU GPU-1 since (inventory): listed in gpu_health_quarantine",
+        "  QUARANTINED GPU GPU-2 since 2026-12-01T02:00:00Z: GPU 2: fan 0% (target 80%) at 88 C: fan dead?",
+    ]

@@ -546,3 +546,17 @@ def test_systemd_show_maps_each_unit_to_its_properties():
         gone: {"Id": gone, "LoadState": "not-found", "SubState": "dead"},
     }
     assert systemd_show("") == {}
+
+
+def test_a_quarantined_gpu_is_a_warning_with_its_reason_and_time():
+    out = {"GPU-2": {"reason": "GPU 2: fan 0% (target 80%) at 88 C: fan dead?", "since": "2026-12-01T02:00:00Z"}}
+    local = {"ansible_local": {"budgetgpu_gpu_health": {"quarantine": out, "updated": "2026-12-01T02:01:00Z"}}}
+    result = check(jobs({}), make_nodes(node2={"facts": local}))
+    assert result["problems"] == []
+    lines = [line for line in result["report"] if "GPU-2" in line]
+    assert lines == [
+        "WARN node2: GPU GPU-2: found 'quarantined since 2026-12-01T02:00:00Z: GPU 2: fan 0% (target 80%) at 88 C: "
+        "fan dead?', expected in service: jobs start without it (one rank fewer; a fixed nproc_per_node that needs "
+        "it is held) and its inference worker does not start; return it with playbooks/gpu_release.yml "
+        "-e gpu=GPU-2 once fixed"
+    ]

@@ -1,0 +1,153 @@
+"""The GPU health watch on a simulated 4x RTX 3090 node: faults injected beneath the code (the fake
+NVML's faults file, the sysfs AER counters, the kern.log), passes run by the watch's own unit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import testinfra.utils.ansible_runner
+
+testinfra_hosts = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLECULE_INVENTORY_FILE"]).get_hosts(
+    "health_watch"
+)
+
+UNIT = "budgetgpu-gpu-health"
+STATE = "/var/lib/budgetgpu/gpu-health/state.json"
+FAULTS = "/etc/budgetgpu-sim/faults.json"
+KERN_LOG = "/var/lib/budgetgpu-sim/kern.log"
+AER = "/var/lib/budgetgpu-sim/sys/bus/pci/devices/0000:03:00.0/aer_dev_correctable"
+LAUNCHER = "/var/lib/budgetgpu-probes/budgetgpu-torchrun"
+GPUS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
+LISTED, FAULTY = GPUS[1], GPUS[2]  # GPU 1 from the inventory, GPU 2 from the faults below
+REPO = os.environ.get("MOLECULE_PROJECT_DIRECTORY", ".")
+
+
+def state(host) -> dict:
+    return json.loads(host.file(STATE).content_string)
+
+
+def run_pass(host) -> None:
+    host.check_output(f"systemctl start {UNIT}.service")
+
+
+def write(host, path: str, text: str) -> None:
+    # %b: the newlines travel as \n inside the shell's double quotes.
+    host.check_output(f"printf %b {json.dumps(text)} > {path}")
+
+
+def journal(host) -> list[str]:
+    return host.check_output(f"journalctl -u {UNIT} -o cat --no-pager").splitlines()
+
+
+def faults(host, replays: int, **more) -> None:
+    fault = {"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": replays, "pcie_width_cur": 1, **more}
+    write(host, FAULTS, json.dumps({FAULTY: fault}))
+
+
+def plan(host, nproc: int, fixed: bool, user: str = "nobody") -> dict:
+    """The launcher's decision at a job's start, as the job's (unprivileged) user makes it."""
+    code = (
+        "import importlib.machinery, json, sys;"
+        f"l = importlib.machinery.SourceFileLoader('launcher', '{LAUNCHER}').load_module();"
+        f"env = {{'BUDGETGPU_GPUS': '{','.join(GPUS)}', 'BUDGETGPU_NPROC_FIXED': '{int(fixed)}',"
+        " 'BUDGETGPU_JOB': 'main'};"
+        f"argv = l.gpu_health_argv(['--nproc-per-node={nproc}', 'train.py'], env);"
+        "print(json.dumps({'argv': argv, 'visible': env.get('CUDA_VISIBLE_DEVICES')}))"
+    )
+    done = host.run(f"runuser -u {user} -- python3 -c {json.dumps(code)}")
+    assert done.rc == 0, done.stderr
+    return {**json.loads(done.stdout.splitlines()[-1]), "log": done.stdout}
+
+
+def test_the_timer_runs_the_watch_unprivileged_in_a_sandbox(host):
+    assert host.service(f"{UNIT}.timer").is_enabled and host.service(f"{UNIT}.timer").is_running
+    props = dict(
+        line.split("=", 1)
+        for line in host.check_output(
+            f"systemctl show {UNIT}.service -p User -p DevicePolicy -p PrivateNetwork -p ProtectSystem "
+            "-p CapabilityBoundingSet -p NoNewPrivileges -p SupplementaryGroups"
+        ).splitlines()
+    )
+    assert props["User"] == "budgetgpu-health" and props["SupplementaryGroups"] == "systemd-journal"
+    assert (props["DevicePolicy"], props["PrivateNetwork"], props["ProtectSystem"]) == ("closed", "yes", "strict")
+    assert props["NoNewPrivileges"] == "yes" and props["CapabilityBoundingSet"] == ""
+    assert host.file(STATE).user == "budgetgpu-health" and host.file(STATE).mode == 0o644
+    out = state(host)["quarantine"]
+    assert out == {LISTED: {"by": "inventory", "reason": "listed in gpu_health_quarantine", "since": None}}
+
+
+def test_faults_take_gpu_2_out_and_each_change_is_logged_once(host):
+    before = len(journal(host))
+    faults(host, replays=500)
+    host.check_output(
+        f"echo 'Dec  1 02:00:00 probes-3090 kernel: NVRM: Xid (PCI:0000:03:00): 79, pid=4242, name=python3, "
+        f"GPU has fallen off the bus.' >> {KERN_LOG}"
+    )
+    write(host, AER, "RxErr 40\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\nNonFatalErr 0\nTOTAL_ERR_COR 40\n")
+    run_pass(host)
+    faults(host, replays=1000)  # the replay counter keeps growing: the finding stays, not logged again
+    run_pass(host)
+    faults(host, replays=1500)
+    run_pass(host)
+    gpu = state(host)["gpus"][FAULTY]
+    assert gpu["status"] == "take_out" and "fan 0% (target 80%) at 88 C" in gpu["taken_out"]["reason"]
+    assert {"dead_fan", "link_width", "pcie_replays"} <= set(gpu["reasons"])
+    lines = journal(host)[before:]
+    for words in (
+        "fan 0% (target 80%)",
+        "Xid 79",
+        "PCIe link now x1, x4 at boot",
+        "PCIe replay counter",
+        "AER correctable",
+    ):
+        assert len([line for line in lines if words in line and not line.startswith("cleared")]) == 1, (words, lines)
+    assert len([line for line in lines if "status ok -> take_out" in line]) == 1
+    out = state(host)["quarantine"]
+    assert set(out) == {LISTED, FAULTY} and out[FAULTY]["by"] == "watch" and out[FAULTY]["since"]
+
+
+def test_the_next_job_start_leaves_the_quarantined_gpus_out_or_holds_a_fixed_job(host):
+    elastic = plan(host, nproc=4, fixed=False)
+    assert elastic["argv"] == ["--nproc-per-node=2", "train.py"]
+    assert elastic["visible"] == f"{GPUS[0]},{GPUS[3]}"
+    assert f"left out {LISTED} quarantined" in elastic["log"] and "fan 0%" in elastic["log"]
+    held = plan(host, nproc=4, fixed=True)
+    assert held["argv"] is None and "held, not started: nproc_per_node is fixed at 4" in held["log"]
+    one = plan(host, nproc=1, fixed=True)  # GPU 0 only: nothing it needs is out
+    assert (one["argv"], one["visible"]) == (["--nproc-per-node=1", "train.py"], None)
+    # An inference worker's ExecCondition, and the local fact preflight reads.
+    worker = host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {FAULTY}")
+    assert worker.rc == 1 and f"probes-3090: not starting: {FAULTY} quarantined since" in worker.stderr
+    assert host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {GPUS[0]}").rc == 0
+    fact = json.loads(host.check_output("/etc/ansible/facts.d/budgetgpu_gpu_health.fact"))
+    assert set(fact["quarantine"]) == {LISTED, FAULTY}
+
+
+def release(gpu: str) -> subprocess.CompletedProcess:
+    argv = ["ansible-playbook", "-i", os.environ["MOLECULE_INVENTORY_FILE"], "--limit", "health_watch"]
+    argv += [os.path.join(REPO, "playbooks", "gpu_release.yml"), "-e", f"gpu={gpu}"]
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
+    # Failures go to stderr, and the callback wraps long messages (a literal \n in its quoted form):
+    # the test reads both streams, as words.
+    words = " ".join((done.stdout + done.stderr).replace("\\n", " ").split())
+    return subprocess.CompletedProcess(argv, done.returncode, words, done.stderr)
+
+
+def test_gpu_release_names_what_is_quarantined_then_returns_the_gpu(host):
+    wrong = release("GPU-deadbeef-0000-0000-0000-000000000000")
+    assert wrong.returncode != 0
+    assert "probes-3090: GPU GPU-deadbeef-0000-0000-0000-000000000000 is not quarantined here" in wrong.stdout
+    assert FAULTY in wrong.stdout and LISTED in wrong.stdout
+    listed = release(LISTED)
+    assert listed.returncode != 0 and "is listed in gpu_health_quarantine" in listed.stdout
+    write(host, FAULTS, "{}")  # the fan is replaced, the riser reseated
+    run_pass(host)
+    done = release(FAULTY)
+    assert done.returncode == 0, done.stdout
+    assert "released (take_out -> " in done.stdout
+    run_pass(host)
+    assert set(state(host)["quarantine"]) == {LISTED}
+    assert plan(host, nproc=4, fixed=False)["argv"] == ["--nproc-per-node=3", "train.py"]

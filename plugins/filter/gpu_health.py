@@ -1,0 +1,14 @@
+"""Filters of the GPU health watch (role gpu_health): thin wrappers of plugins/module_utils/gpu_health.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_health import boot_links
+
+
+class FilterModule:
+    """budgetgpu GPU health filters."""
+
+    def filters(self) -> dict[str, Any]:
+        return {"gpu_health_boot_links": boot_links}

@@ -1,0 +1,183 @@
+"""scripts/gpu-health: one watch pass over gpu_sim's NVML with injected faults, the state file, the
+change lines (once), the quarantine, release; and the launcher leaving quarantined GPUs out."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import pcie
+
+REPO = Path(__file__).resolve().parents[3]
+GPUS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
+XID_79 = (
+    "Dec  1 02:00:00 node1 kernel: NVRM: Xid (PCI:0000:03:00): 79, pid=42, name=python3, GPU has fallen off the bus.\n"
+)
+
+
+@pytest.fixture
+def watch(fake_pynvml, sim_tree, tmp_path, monkeypatch):
+    """(script module, config, faults writer) for a 4x RTX 3090 node with a kern.log file."""
+    from conftest import load_file_module
+
+    script = load_file_module("gpu_health_script", REPO / "scripts" / "gpu-health")
+    faults = tmp_path / "faults.json"
+    monkeypatch.setenv("BUDGETGPU_SIM_FAULTS", str(faults))
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml("rtx3090x4-risers"))
+    (tmp_path / "kern.log").write_text("")
+    root = sim_tree("rtx3090x4-risers")
+    config = {
+        "host": "node1",
+        "state_file": str(tmp_path / "state.json"),
+        "sysfs_root": root,
+        "kernel_log": str(tmp_path / "kern.log"),
+        "quarantine": [GPUS[1]],
+        "boot_links": script.gpu_health.boot_links(pcie.probe_pcie(root)),
+    }
+
+    def inject(**by_gpu: dict) -> None:
+        faults.write_text(json.dumps({GPUS[int(key[3:])]: value for key, value in by_gpu.items()}))
+
+    return script, config, inject
+
+
+def test_health_sample_reads_fans_ecc_and_the_injected_faults(watch):
+    script, config, inject = watch
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": 500, "pcie_width_cur": 1})
+    gpus = script.take_sample(config)["gpus"]
+    assert [gpu["uuid"] for gpu in gpus] == GPUS
+    assert (
+        gpus[0]["fans"] == [{"speed_pct": 30, "target_pct": 30}] and gpus[0]["ecc_double_bit_volatile"] == "unsupported"
+    )
+    assert gpus[2]["fans"] == [{"speed_pct": 0, "target_pct": 80}] and gpus[2]["temperature_c"] == 88
+    assert (gpus[2]["pcie"]["width_current"], gpus[2]["pcie"]["replay_counter"]) == (1, 500)
+    assert gpus[2]["aer"]["correctable"].endswith("TOTAL_ERR_COR 0\n")  # render_sim's zeroed counters
+    inject(gpu3={"gone": True})
+    assert [gpu["uuid"] for gpu in script.take_sample(config)["gpus"]] == GPUS[:3]
+
+
+def test_a_pass_quarantines_logs_each_change_once_and_release_returns_the_gpu(watch, tmp_path):
+    script, config, inject = watch
+    assert script.run_pass(config, "t0") == []
+    assert script.read_json(config["state_file"])["quarantine"] == {
+        GPUS[1]: {"by": "inventory", "reason": "listed in gpu_health_quarantine", "since": None}
+    }
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": 500, "pcie_width_cur": 1})
+    with open(config["kernel_log"], "a") as log:
+        log.write(XID_79)
+    lines = script.run_pass(config, "t1")
+    assert any("fan 0% (target 80%) at 88 C" in line for line in lines)
+    assert any("Xid 79" in line for line in lines) and any("PCIe link now x1, x4 at boot" in line for line in lines)
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": 1000, "pcie_width_cur": 1})
+    again = script.run_pass(config, "t2")
+    assert not [line for line in again if not line.startswith("cleared")]  # only the Xid, an event, clears
+    state = script.read_json(config["state_file"])
+    assert state["quarantine"][GPUS[2]]["since"] == "t1" and state["gpus"][GPUS[2]]["status"] == "take_out"
+    assert Path(config["state_file"]).stat().st_mode & 0o777 == 0o644
+    code, message = script.release(config, "GPU-bad", "t3")
+    assert code == 2 and message.startswith("node1: GPU GPU-bad is not quarantined here, expected one of")
+    assert GPUS[1] in message and GPUS[2] in message
+    assert script.release(config, GPUS[1], "t3") == (
+        2,
+        f"node1: GPU {GPUS[1]} is listed in gpu_health_quarantine: remove it there and provision again",
+    )
+    inject()
+    script.run_pass(config, "t4")
+    code, message = script.release(config, GPUS[2], "t5")
+    assert code == 0 and "released (take_out -> " in message
+    assert script.run_pass(config, "t6") == [] and set(script.read_json(config["state_file"])["quarantine"]) == {
+        GPUS[1]
+    }
+
+
+def test_a_kern_log_created_after_a_pass_is_read_from_its_start(watch):
+    script, config, _inject = watch
+    Path(config["kernel_log"]).unlink()
+    script.run_pass(config, "t0")
+    Path(config["kernel_log"]).write_text(XID_79)
+    assert any("Xid 79" in line for line in script.run_pass(config, "t1"))
+
+
+def test_one_pass_on_a_4_gpu_node_costs_under_100_ms_of_cpu(watch):
+    script, config, inject = watch
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": 500})
+    script.run_pass(config, "t0")
+    start, passes = time.process_time(), 20
+    for n in range(passes):
+        script.run_pass(config, f"t{n + 1}")
+    assert (time.process_time() - start) / passes < 0.1
+
+
+def launcher_argv(state: dict, tmp_path, nproc: int, fixed: bool) -> tuple[list[str] | None, dict]:
+    from conftest import load_file_module
+
+    launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    env = {
+        "BUDGETGPU_GPUS": ",".join(GPUS),
+        "BUDGETGPU_NPROC_FIXED": "1" if fixed else "0",
+        "BUDGETGPU_GPU_HEALTH_STATE": str(tmp_path / "state.json"),
+        "BUDGETGPU_GPU_HEALTH_UTILS": str(REPO / "plugins" / "module_utils" / "gpu_health.py"),
+    }
+    return launcher.gpu_health_argv(["--max-restarts=3", f"--nproc-per-node={nproc}", "train.py"], env), env
+
+
+OUT = {"quarantine": {GPUS[2]: {"reason": "GPU 2: fan 0%", "since": "t1", "by": "watch"}}}
+
+
+def test_the_launcher_leaves_a_quarantined_gpu_out(tmp_path, capsys):
+    argv, env = launcher_argv(OUT, tmp_path, 4, fixed=False)
+    assert argv == ["--max-restarts=3", "--nproc-per-node=3", "train.py"]
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join([GPUS[0], GPUS[1], GPUS[3]])
+    assert f"3 of 4 GPUs: left out {GPUS[2]} quarantined since t1 (GPU 2: fan 0%)" in capsys.readouterr().out
+
+
+def test_the_launcher_holds_a_fixed_size_job_that_needs_the_gpu(tmp_path, capsys):
+    assert launcher_argv(OUT, tmp_path, 4, fixed=True)[0] is None
+    assert "held, not started: nproc_per_node is fixed at 4" in capsys.readouterr().out
+    argv, env = launcher_argv(OUT, tmp_path, 2, fixed=True)  # GPUs 0 and 1: none of them is out
+    assert argv[1] == "--nproc-per-node=2" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_the_launcher_without_a_watch_starts_as_before(tmp_path):
+    argv, env = launcher_argv({}, tmp_path, 4, fixed=False)
+    assert argv[1] == "--nproc-per-node=4" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_check_tells_an_inference_worker_whether_its_gpu_is_in_service(watch):
+    script, config, _inject = watch
+    script.run_pass(config, "t0")
+    assert script.check(config, GPUS[0]) == (0, f"GPU {GPUS[0]} is in service")
+    assert script.check(config, GPUS[1]) == (
+        1,
+        f"node1: not starting: {GPUS[1]} quarantined (listed in gpu_health_quarantine)",
+    )
+
+
+def test_fact_prints_the_quarantine_for_ansibles_local_facts(watch, tmp_path, capsys):
+    script, config, _inject = watch
+    script.run_pass(config, "t0")
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    assert script.main(["--config", str(tmp_path / "cfg.json"), "fact"]) == 0
+    fact = json.loads(capsys.readouterr().out)
+    assert fact == {
+        "quarantine": {GPUS[1]: {"by": "inventory", "reason": "listed in gpu_health_quarantine", "since": None}},
+        "updated": "t0",
+    }
+
+
+def test_the_launcher_starts_as_before_when_it_cannot_read_the_state(tmp_path, capsys):
+    from conftest import load_file_module
+
+    launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
+    (tmp_path / "state.json").write_text("{half a file")
+    env = {
+        "BUDGETGPU_GPUS": ",".join(GPUS),
+        "BUDGETGPU_GPU_HEALTH_STATE": str(tmp_path / "state.json"),
+        "BUDGETGPU_GPU_HEALTH_UTILS": str(REPO / "plugins" / "module_utils" / "gpu_health.py"),
+    }
+    assert launcher.gpu_health_argv(["--nproc-per-node=4", "train.py"], env) == ["--nproc-per-node=4", "train.py"]
+    assert "cannot read the GPU health state" in capsys.readouterr().out
