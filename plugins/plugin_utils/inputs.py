@@ -38,6 +38,7 @@ ROLE_PREFIXES = (
     "reprovision_",
     "gpu_sim_",
     "inference_",
+    "gpu_power_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
@@ -53,6 +54,9 @@ OTHER_INPUTS = {
     "budgetgpu_safe_mode": {"type": "bool"},
     "budgetgpu_cuda_repo_url": {"type": "str"},
     "budgetgpu_cuda_repo_key_url": {"type": "str"},
+    # price and currency of the energy figures (plugins/module_utils/energy.py holds the defaults)
+    "budgetgpu_electricity_price_per_kwh": {"type": "float"},
+    "budgetgpu_currency": {"type": "str"},
     # scripts/nightly-reprovision --force; read by the probe role (probe_force)
     "reprovision_force": {"type": "bool"},
     # a host's node rank in a static rendezvous (torchrun_jobs' node_ranks)
