@@ -182,6 +182,8 @@ def enforce(nvml: Any, host: str, caps: Any, budget: Any = None, check_mode: boo
     """
     if not caps and budget is None:
         return {"failed": False, "changed": False, "msg": "no power caps declared", "changes": [], "drift": []}
+    if nvml is None:
+        return {"failed": True, "changed": False, "msg": f"{host}: nvidia-ml-py (pynvml) is not installed"}
     facts = probe_nvml(nvml)
     if not facts["driver"]["loaded"]:
         reason = facts["driver"]["reason"]

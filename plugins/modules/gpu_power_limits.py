@@ -43,13 +43,14 @@ options:
     description: How messages name the node.
     type: str
     default: this node
+seealso:
+  - module: budgetgpu.cluster.gpu_facts
 attributes:
   check_mode:
     support: full
+    details: Says which limits it would set (C(changes), C(drift)) and sets none.
   diff_mode:
     support: none
-seealso:
-  - module: budgetgpu.cluster.gpu_facts
 """
 
 EXAMPLES = r"""
@@ -118,13 +119,11 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_power import enforce
 
+PYNVML_IMPORT_ERROR = None
 try:
     import pynvml
 except ImportError:
-    pynvml = None
-    PYNVML_IMPORT_ERROR = traceback.format_exc()
-else:
-    PYNVML_IMPORT_ERROR = None
+    pynvml, PYNVML_IMPORT_ERROR = None, traceback.format_exc()
 
 
 def build_module() -> AnsibleModule:

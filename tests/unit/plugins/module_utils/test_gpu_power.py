@@ -164,6 +164,8 @@ def test_enforce_refuses_and_changes_nothing(fake_pynvml, tmp_path):
 
 def test_enforce_without_caps_asks_nothing_of_nvml(fake_pynvml):
     assert gpu_power.enforce(fake_pynvml(None), "node1", {})["msg"] == "no power caps declared"
+    assert gpu_power.enforce(None, "node1", {})["failed"] is False  # no nvidia-ml-py: fine without caps
+    assert gpu_power.enforce(None, "node1", 250)["msg"] == "node1: nvidia-ml-py (pynvml) is not installed"
     result = gpu_power.enforce(fake_pynvml("no-driver"), "node1", 280)
     assert result["failed"] is True and result["msg"].startswith("node1: no usable NVIDIA driver")
 
