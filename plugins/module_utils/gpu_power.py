@@ -56,10 +56,20 @@ def _matches(kind: str, key: str, gpu: Mapping[str, Any]) -> bool:
     return str(gpu.get("name", "")).lower() == key.strip().lower()
 
 
-def _watts_problem(value: Any) -> str | None:
+def watts_problem(value: Any) -> str | None:
+    """Return why value is not watts (a number above 0), or None."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         return f"expected watts (a number above 0), found {value!r}"
     return None
+
+
+def caps_shape_ok(caps: Any) -> bool:
+    """Return whether caps has the shape of gpu_power_limit_watts (watts, or a mapping to watts), before
+    any GPU is known: the inventory check of every host (plugin_utils inputs), driver or not."""
+    if caps is None or caps == {}:
+        return True
+    values = caps.values() if isinstance(caps, Mapping) else [caps]
+    return all(watts_problem(value) is None for value in values)
 
 
 def resolve_caps(gpus: list[Mapping[str, Any]], caps: Any) -> tuple[dict[int, dict[str, Any]], list[str]]:
@@ -74,7 +84,7 @@ def resolve_caps(gpus: list[Mapping[str, Any]], caps: Any) -> tuple[dict[int, di
     for raw_key, watts in caps.items():
         key = str(raw_key)
         kind = key_kind(key)
-        wrong = _watts_problem(watts)
+        wrong = watts_problem(watts)
         if wrong:
             problems.append(f"{VARIABLE}[{key!r}]: {wrong}")
             continue
@@ -100,7 +110,7 @@ def resolve_caps(gpus: list[Mapping[str, Any]], caps: Any) -> tuple[dict[int, di
 def _range_problem(gpu: Mapping[str, Any], cap: Mapping[str, Any]) -> str | None:
     low, high = gpu.get("power_limit_min_w"), gpu.get("power_limit_max_w")
     where = f"{VARIABLE}[{cap['key']!r}]: {gpu_label(gpu)}"
-    if _watts_problem(low) or _watts_problem(high):
+    if watts_problem(low) or watts_problem(high):
         return f"{where}: the card reports no power limit range (NVML: {low}), so its limit cannot be set"
     if not low <= cap["watts"] <= high:
         return (
@@ -111,7 +121,7 @@ def _range_problem(gpu: Mapping[str, Any], cap: Mapping[str, Any]) -> str | None
 
 
 def _budget_problem(gpus: list[Mapping[str, Any]], targets: Mapping[int, Any], budget: Any) -> str | None:
-    wrong = _watts_problem(budget)
+    wrong = watts_problem(budget)
     if wrong:
         return f"{BUDGET_VARIABLE}: {wrong}"
     # A GPU without a cap draws up to its default limit: the one it has again after a reboot.
@@ -119,7 +129,7 @@ def _budget_problem(gpus: list[Mapping[str, Any]], targets: Mapping[int, Any], b
         (gpu, targets[gpu["index"]]["watts"] if gpu["index"] in targets else gpu.get("power_limit_default_w"))
         for gpu in gpus
     ]
-    if any(_watts_problem(watts) for _gpu, watts in draws):
+    if any(watts_problem(watts) for _gpu, watts in draws):
         return f"{BUDGET_VARIABLE}: a GPU without a cap reports no default limit, so the sum is unknown: cap every GPU"
     total = sum(watts for _gpu, watts in draws)
     if total <= budget:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_power import caps_shape_ok
 
 # libyaml's loader where there is one: each forked worker reads the specs once, and the pure-Python
 # loader takes several times as long.
@@ -118,6 +119,11 @@ RULES = {
     "nccl_network_busbw_floor_gbps": (
         "auto or a number of GB/s >= 0",
         lambda value: value == "auto" or _nonnegative_number(value),
+    ),
+    # Which GPU each key names, and the cards' ranges, preflight checks on the probe's answers.
+    "gpu_power_limit_watts": (
+        "watts above 0, or a mapping of all, GPU model, UUID or bus id to watts",
+        caps_shape_ok,
     ),
 }
 
