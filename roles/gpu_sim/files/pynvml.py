@@ -12,7 +12,6 @@ NVMLError_<Name>. PCIe generation and width default to the function's sysfs link
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -377,14 +376,15 @@ def _write_state(state: dict[str, Any]) -> None:
 
 
 def _booted_at() -> float:
-    """When the simulated driver loaded: recorded on first use, forgotten with the state file."""
-    state = _read_state()
-    if "booted_at" not in state:
-        state["booted_at"] = time.time()
-        # A reader without write access sees a driver loaded just now.
-        with contextlib.suppress(OSError):
-            _write_state(state)
-    return float(state["booted_at"])
+    """When the simulated driver loaded: kept in the state file once a limit is set, else the time the
+    profile was installed. Reading never writes (a probe on a build machine leaves nothing behind)."""
+    booted = _read_state().get("booted_at")
+    if booted is not None:
+        return float(booted)
+    try:
+        return os.stat(os.environ.get("BUDGETGPU_SIM_PROFILE", PROFILE_DEFAULT)).st_mtime
+    except OSError:
+        return time.time()
 
 
 def _constraint(handle: _Handle, key: str) -> int:
@@ -415,7 +415,7 @@ def nvmlDeviceSetPowerManagementLimit(handle: _Handle, limit: int) -> None:
     if not low <= int(limit) <= high:
         raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
     state = _read_state()
-    state.setdefault("booted_at", time.time())
+    state.setdefault("booted_at", _booted_at())
     state.setdefault("power_limit_mw", {})[handle.function["bdf"]] = int(limit)
     _write_state(state)
 
