@@ -10,7 +10,8 @@ name: drift_report
 type: aggregate
 short_description: Write a JSON drift report of a playbook run, per host
 description:
-  - Records, for every host, each task that reported C(changed) (task name, role, play, loop items),
+  - Records, for every host, each task that reported C(changed) (task name, role, play, loop items, and
+    the module's own C(drift) lines where it returns them),
     each failure that was not ignored (with its message), whether the host was unreachable, and the
     changes that safe mode held back (the fact C(budgetgpu_pending), see CONTRIBUTING.md "Safe mode").
   - Writes the report once, when the playbook ends, to the file named by I(output); nothing when unset.
@@ -171,6 +172,9 @@ class CallbackModule(CallbackBase):
         items = changed_items(data)
         if items:
             entry["items"] = items
+        # What a module corrected, in its own words (gpu_power_limits: a line per GPU whose limit drifted).
+        if isinstance(data.get("drift"), list) and data["drift"]:
+            entry["drift"] = [str(line) for line in data["drift"]]
         self.host(host)["changed"].append(entry)
 
     def v2_runner_on_failed(self, result: Any, ignore_errors: bool = False) -> None:

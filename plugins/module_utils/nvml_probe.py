@@ -234,6 +234,26 @@ def _device(nvml: Any, index: int) -> tuple[_Reader, Any]:
     """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
     reader = _Reader(nvml)
     return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+def _watts(milliwatts: Any) -> Any:
+    return round(milliwatts / 1000, 2) if _known(milliwatts) else milliwatts
+
+
+def power_fields(reader: _Reader, handle: Any) -> dict[str, Any]:
+    """Return draw, enforced limit, the limit's constraints and default (W), and the energy counter (J)."""
+    get = reader.get
+    limits = get("power_limit_range_w", "nvmlDeviceGetPowerManagementLimitConstraints", handle)
+    low, high = (_watts(limits[0]), _watts(limits[1])) if _known(limits) else (limits, limits)
+    # Millijoules since the driver loaded; Volta and newer only (older cards: unsupported).
+    energy = get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle)
+    default = get("power_limit_default_w", "nvmlDeviceGetPowerManagementDefaultLimit", handle)
+    return {
+        "power_draw_w": _watts(get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)),
+        "power_limit_w": _watts(get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)),
+        "power_limit_default_w": _watts(default),
+        "power_limit_min_w": low,
+        "power_limit_max_w": high,
+        "energy_total_j": round(energy / 1000, 3) if _known(energy) else energy,
+    }
 
 
 def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
@@ -245,8 +265,6 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
     pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
     memory = get("memory_total_mib", "nvmlDeviceGetMemoryInfo", handle)
     capability = get("compute_capability", "nvmlDeviceGetCudaComputeCapability", handle)
-    power = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)
-    limit = get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)
     ecc = get("ecc_mode", "nvmlDeviceGetEccMode", handle)
     mig = get("mig_mode", "nvmlDeviceGetMigMode", handle)
     throttle = _throttle_mask(reader, handle)
@@ -268,8 +286,7 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
             "replay_counter": get("pcie.replay_counter", "nvmlDeviceGetPcieReplayCounter", handle),
         },
         "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
-        "power_draw_w": round(power / 1000, 2) if _known(power) else power,
-        "power_limit_w": round(limit / 1000, 2) if _known(limit) else limit,
+        **power_fields(reader, handle),
         "fan_speed_pct": get("fan_speed_pct", "nvmlDeviceGetFanSpeed", handle),
         "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
         "sm_clock_max_mhz": get("sm_clock_max_mhz", "nvmlDeviceGetMaxClockInfo", handle, CLOCK_SM),

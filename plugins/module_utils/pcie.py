@@ -395,3 +395,8 @@ def normalize_bus_id(bus_id: str) -> str:
     except ValueError:
         return text
     return f"{domain}:{parts[1]}:{parts[2]}"
+
+
+def is_bus_id(text: str) -> bool:
+    """Return whether text is a PCI bus id in one of the forms normalize_bus_id takes."""
+    return _BDF.match(normalize_bus_id(text)) is not None

@@ -13,7 +13,8 @@ short_description: NVIDIA driver state and per-GPU facts from NVML
 version_added: "0.1.0"
 description:
   - Reads the NVIDIA driver state and, for every GPU, identity, memory, compute capability,
-    PCIe link, temperature, power, clocks, throttle reasons, ECC, persistence and MIG mode,
+    PCIe link, temperature, power (draw, enforced limit, the range a limit may be set in, the
+    default) and energy counter, clocks, throttle reasons, ECC, persistence and MIG mode,
     NVLink and memory health through NVML (the C(pynvml) module of nvidia-ml-py).
   - A node without a GPU, without a driver, or with a driver that is not loaded still
     succeeds; RV(ansible_facts.budgetgpu_gpus.driver) says which, and why.
@@ -249,6 +250,28 @@ ansible_facts:
               type: float
               returned: always
               sample: 700.0
+            power_limit_default_w:
+              description: The card's default power limit in watts (the limit after a reboot), or C(unsupported).
+              type: raw
+              returned: always
+              sample: 700.0
+            power_limit_min_w:
+              description: The lowest power limit NVML allows on this card, in watts, or C(unsupported).
+              type: raw
+              returned: always
+              sample: 200.0
+            power_limit_max_w:
+              description: The highest power limit NVML allows on this card, in watts, or C(unsupported).
+              type: raw
+              returned: always
+              sample: 700.0
+            energy_total_j:
+              description: >-
+                Energy the GPU used since the driver loaded, in joules (NVML's total-energy counter), or
+                C(unsupported) (cards older than Volta).
+              type: raw
+              returned: always
+              sample: 6709132.8
             fan_speed_pct:
               description: Fan speed in percent, or C(unsupported) (passively cooled cards).
               type: raw

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_power import caps_shape_ok
 
 # libyaml's loader where there is one: each forked worker reads the specs once, and the pure-Python
 # loader takes several times as long.
@@ -38,6 +39,7 @@ ROLE_PREFIXES = (
     "reprovision_",
     "gpu_sim_",
     "inference_",
+    "gpu_power_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
@@ -55,6 +57,9 @@ OTHER_INPUTS = {
     "budgetgpu_state_dir": {"type": "path"},
     "budgetgpu_cuda_repo_url": {"type": "str"},
     "budgetgpu_cuda_repo_key_url": {"type": "str"},
+    # price and currency of the energy figures (plugins/module_utils/energy.py holds the defaults)
+    "budgetgpu_electricity_price_per_kwh": {"type": "float"},
+    "budgetgpu_currency": {"type": "str"},
     # scripts/nightly-reprovision --force; read by the probe role (probe_force)
     "reprovision_force": {"type": "bool"},
     # a host's node rank in a static rendezvous (torchrun_jobs' node_ranks)
@@ -117,6 +122,11 @@ RULES = {
     "nccl_network_busbw_floor_gbps": (
         "auto or a number of GB/s >= 0",
         lambda value: value == "auto" or _nonnegative_number(value),
+    ),
+    # Which GPU each key names, and the cards' ranges, preflight checks on the probe's answers.
+    "gpu_power_limit_watts": (
+        "watts above 0, or a mapping of all, GPU model, UUID or bus id to watts",
+        caps_shape_ok,
     ),
 }
 

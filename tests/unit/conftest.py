@@ -73,12 +73,16 @@ def h200_sysfs(tmp_path) -> str:
 
 
 @pytest.fixture
-def fake_pynvml(monkeypatch):
+def fake_pynvml(monkeypatch, tmp_path_factory):
     """gpu_sim's pynvml drop-in, answering from the named profile (a fresh module per test)."""
+
+    # Limits set and the simulated boot time go to the test's own state file, not /run.
+    state = tmp_path_factory.mktemp("sim") / "state.json"
 
     def load(profile: str | None):
         path = GPU_SIM_FILES / "profiles" / f"{profile}.json" if profile else Path("/nonexistent/profile.json")
         monkeypatch.setenv("BUDGETGPU_SIM_PROFILE", str(path))
+        monkeypatch.setenv("BUDGETGPU_SIM_STATE", str(state))
         return load_file_module("pynvml_sim", GPU_SIM_FILES / "pynvml.py")
 
     return load

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from typing import Any
 
 PROFILE_DEFAULT = "/etc/budgetgpu-sim/profile.json"
@@ -292,10 +293,6 @@ def nvmlDeviceGetPowerUsage(handle: _Handle) -> int:
     return handle.get("power_mw")
 
 
-def nvmlDeviceGetEnforcedPowerLimit(handle: _Handle) -> int:
-    return handle.get("power_limit_mw")
-
-
 def nvmlDeviceGetFanSpeed(handle: _Handle) -> int:
     return handle.get("fan", "ERR:NVMLError_NotSupported")
 
@@ -407,3 +404,83 @@ def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: 
     handle.get("ecc", "ERR:NVMLError_NotSupported")
     key = "ecc_dbe_volatile" if error_type == 1 else "ecc_sbe_volatile"
     return handle.get(key if counter_type == 0 else key.replace("volatile", "aggregate"), 0)
+# -- power limits and energy ---------------------------------------------------------------
+# Profile keys (per GPU, under "nvml"): power_limit_min_mw, power_limit_max_mw,
+# power_limit_default_mw (the card's constraints; a missing key makes the call unsupported, as on
+# a card without power management) and energy_mj (the total-energy counter at the simulated boot;
+# "ERR:NVMLError_NotSupported" for a card older than Volta). A limit set through
+# nvmlDeviceSetPowerManagementLimit is kept in the simulation's state file, under /run: like the
+# real driver, which forgets it at a reboot, the simulation forgets it when that file goes.
+STATE_DEFAULT = "/run/budgetgpu-sim/state.json"
+
+
+def _state_path() -> str:
+    return os.environ.get("BUDGETGPU_SIM_STATE", STATE_DEFAULT)
+
+
+def _read_state() -> dict[str, Any]:
+    try:
+        with open(_state_path(), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_state(state: dict[str, Any]) -> None:
+    path = _state_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(state, handle)
+    os.replace(temporary, path)
+
+
+def _booted_at() -> float:
+    """When the simulated driver loaded: kept in the state file once a limit is set, else the time the
+    profile was installed. Reading never writes (a probe on a build machine leaves nothing behind)."""
+    booted = _read_state().get("booted_at")
+    if booted is not None:
+        return float(booted)
+    try:
+        return os.stat(os.environ.get("BUDGETGPU_SIM_PROFILE", PROFILE_DEFAULT)).st_mtime
+    except OSError:
+        return time.time()
+
+
+def _constraint(handle: _Handle, key: str) -> int:
+    return handle.get(key, "ERR:NVMLError_NotSupported")
+
+
+def nvmlDeviceGetPowerManagementLimitConstraints(handle: _Handle) -> list[int]:
+    return [_constraint(handle, "power_limit_min_mw"), _constraint(handle, "power_limit_max_mw")]
+
+
+def nvmlDeviceGetPowerManagementDefaultLimit(handle: _Handle) -> int:
+    return _constraint(handle, "power_limit_default_mw")
+
+
+def nvmlDeviceGetPowerManagementLimit(handle: _Handle) -> int:
+    limit = _read_state().get("power_limit_mw", {}).get(handle.function["bdf"])
+    return limit if limit is not None else handle.get("power_limit_default_mw", handle.get("power_limit_mw"))
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle: _Handle) -> int:
+    return nvmlDeviceGetPowerManagementLimit(handle)
+
+
+def nvmlDeviceSetPowerManagementLimit(handle: _Handle, limit: int) -> None:
+    low, high = nvmlDeviceGetPowerManagementLimitConstraints(handle)
+    if os.geteuid() != 0:
+        raise NVMLError(NVML_ERROR_NO_PERMISSION)
+    if not low <= int(limit) <= high:
+        raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+    state = _read_state()
+    state.setdefault("booted_at", _booted_at())
+    state.setdefault("power_limit_mw", {})[handle.function["bdf"]] = int(limit)
+    _write_state(state)
+
+
+def nvmlDeviceGetTotalEnergyConsumption(handle: _Handle) -> int:
+    """Millijoules since the driver loaded: the profile's counter plus the draw since the simulated boot."""
+    base = handle.get("energy_mj", "ERR:NVMLError_NotSupported")
+    return int(base + handle.get("power_mw", 0) * max(0.0, time.time() - _booted_at()))

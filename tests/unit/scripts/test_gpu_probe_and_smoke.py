@@ -37,9 +37,15 @@ def test_probe_table_shows_link_limit_and_reason(probe_script, fake_pynvml, sim_
     assert table[0].endswith("driver 535.247.01 (CUDA 12.2), 4 NVIDIA GPU(s) on the PCI bus")
     row = next(line for line in table if line.startswith("3 "))
     for cell in ("0000:04:00.0", "NVIDIA GeForce RTX 3090", "24576 MiB", "gen3 x1", "gen3 x4 (card gen4 x16)",
-                 "0000:00:1d.0", "41C", "27/350 W", "DOWNGRADED", "replays=1873"):  # fmt: skip
+                 "0000:00:1d.0", "41C", "27/350 W (100-400)", "DOWNGRADED", "replays=1873"):  # fmt: skip
         assert cell in row, cell
     assert "trained at x1 but both ends support x4" in table[6]
+    # Energy per GPU since the driver loaded (NVML's counter), and the node's cost at the guide's price.
+    kwh = data["gpus"]["gpus"][3]["energy_total_j"] / 3_600_000
+    assert f"{kwh:.2f} kWh" in row
+    total = sum(gpu["energy_total_j"] for gpu in data["gpus"]["gpus"]) / 3_600_000
+    summary = next(line for line in table if line.startswith("energy since the driver loaded: GPU 0 "))
+    assert summary.endswith(f"; {total:.2f} kWh = ${total * 0.12:.2f} at $0.12/kWh")
 
 
 def test_probe_without_pynvml_still_prints_sysfs_with_a_note(probe_script, sim_tree):
@@ -55,6 +61,7 @@ def test_probe_runs_with_plain_python_and_the_gpu_sim_pynvml(tmp_path, sim_tree)
     shutil.copy(REPO / "roles" / "gpu_sim" / "files" / "pynvml.py", tmp_path)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env["BUDGETGPU_SIM_PROFILE"] = str(REPO / "roles" / "gpu_sim" / "files" / "profiles" / "h200.json")
+    env["BUDGETGPU_SIM_STATE"] = str(tmp_path / "sim-state.json")
     command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-probe"), "--json"]
     done = subprocess.run(
         [*command, "--sysfs-root", sim_tree("h200")], capture_output=True, text=True, env=env, check=False
@@ -64,6 +71,16 @@ def test_probe_runs_with_plain_python_and_the_gpu_sim_pynvml(tmp_path, sim_tree)
     assert data["gpus"]["gpus"][0]["name"] == "NVIDIA H200"
     assert data["pcie"]["gpus"][0]["effective"]["width"] == 16
     assert data["net"]["interfaces"]  # from the real /sys: the simulated tree has no class/net
+    gpu = data["gpus"]["gpus"][0]
+    assert (gpu["power_limit_w"], gpu["power_limit_min_w"], gpu["power_limit_max_w"]) == (700.0, 200.0, 700.0)
+    table = subprocess.run(
+        [*command[:-1], "--sysfs-root", sim_tree("h200"), "--price-per-kwh", "0.3", "--currency", "EUR"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert " EUR at 0.30 EUR/kWh" in table
     bad = subprocess.run(
         [*command, "--sysfs-root", str(tmp_path / "nope")], capture_output=True, text=True, check=False
     )

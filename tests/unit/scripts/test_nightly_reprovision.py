@@ -165,6 +165,14 @@ def test_summary_names_each_host_its_changes_pending_and_the_unreachable():
     assert lines[-1] == f"log {CONTEXT['log']}"
 
 
+def test_summary_shows_the_drift_a_module_corrected_under_its_task():
+    line = "GPU 3 (GPU-3090..., 0000:04:00.0, NVIDIA GeForce RTX 3090): power limit 400 W -> 280 W"
+    entry = {"task": "Set every GPU's power limit to its cap", "role": "gpu_power", "drift": [line]}
+    lines = nightly.summary_text(report_with(a={"changed": [entry]}), 10, CONTEXT).splitlines()
+    at = lines.index("  changed  gpu_power: Set every GPU's power limit to its cap")
+    assert lines[at + 1] == f"           {line}"
+
+
 def test_summary_lists_failures_with_their_message():
     report = report_with(a={"failed": [{"task": "Start Docker", "role": "container_runtime", "msg": "unit masked"}]})
     assert "  FAILED   container_runtime: Start Docker: unit masked" in nightly.summary_text(report, 20, CONTEXT)

@@ -164,3 +164,22 @@ def test_failure_message_reads_loop_items_and_shortens():
 )
 def test_host_status_takes_the_worst(record, status):
     assert drift_report.host_status({**drift_report.new_host_record(), **record}) == status
+
+
+def test_a_modules_own_drift_lines_are_kept_with_its_changed_task():
+    """gpu_power_limits returns a line per GPU whose limit it corrected: the report keeps them."""
+    from types import SimpleNamespace
+
+    callback = drift_report.CallbackModule()
+    line = "GPU 3 (GPU-3090..., 0000:04:00.0, NVIDIA GeForce RTX 3090): power limit 400 W -> 280 W"
+    task = SimpleNamespace(_role=None, action="budgetgpu.cluster.gpu_power_limits")
+    for data in (
+        {"changed": True, "drift": [line]},
+        {"changed": True, "drift": []},
+        {"changed": False, "drift": [line]},
+    ):
+        result = SimpleNamespace(host=SimpleNamespace(get_name=lambda: "node1"), task=task, result=data)
+        result.task_name = "Set every GPU's power limit to its cap"
+        callback.v2_runner_on_ok(result)
+    changed = callback.hosts["node1"]["changed"]
+    assert [entry.get("drift") for entry in changed] == [[line], None]

@@ -41,6 +41,9 @@ def problems(variables: dict) -> list[str]:
         ({"budgetgpu_simulated": "maybe"}, ["node3: budgetgpu_simulated: expected bool"]),
         ({"reprovision_force": "sure"}, ["node3: reprovision_force: expected bool"]),
         ({"torchrun_node_rank": "first"}, ["node3: torchrun_node_rank: expected int"]),
+        ({"gpu_power_limit_watts": "280W"}, ["node3: gpu_power_limit_watts: expected watts above 0, or a mapping"]),
+        ({"gpu_power_limit_watts": {"all": 0}}, ["node3: gpu_power_limit_watts: expected watts above 0"]),
+        ({"gpu_power_budget_watts": "1.2 kW"}, ["node3: gpu_power_budget_watts: expected float"]),
     ],
 )
 def test_bad_inputs_are_refused_naming_host_variable_expected_and_found(variables, expected):
@@ -57,6 +60,8 @@ def test_bad_inputs_are_refused_naming_host_variable_expected_and_found(variable
         {"nccl_network_busbw_floor_gbps": "auto"},
         {"nccl_network_busbw_floor_gbps": 0},
         {"nccl_network_busbw_floor_gbps": 2.5},
+        {"gpu_power_limit_watts": 280, "gpu_power_budget_watts": 1200},
+        {"gpu_power_limit_watts": {"all": 300, "NVIDIA GeForce RTX 3090": 280.5, "01:00.0": 250}},
         {"torchrun_jobs": [{"name": "a", "script": "/srv/a.py", "port": 29600}]},
         # Cluster inputs and the facts roles set are known, not flagged.
         {"budgetgpu_cluster_subnet": "10.0.0.0/24", "budgetgpu_safe_mode": True, "budgetgpu_pending": []},

@@ -1,0 +1,62 @@
+"""energy: kWh from the counter, from a steady draw and from samples, and the guide's cost arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
+
+
+def test_the_guides_day_costs_4_61_at_0_12():
+    # "Four 3090s at 350W each plus system overhead equals about 1.6KW. At $0.12/kWh, that's $4.60/day"
+    watts = 4 * 350 + 200  # the overhead that makes the guide's 1.6 kW
+    day = energy.kwh_from_power(watts, 24)
+    assert day == pytest.approx(38.4)
+    assert energy.cost(day, energy.DEFAULT_PRICE_PER_KWH) == pytest.approx(4.608)
+    # The guide truncates to $4.60; to the cent it is $4.61.
+    assert energy.format_money(energy.cost(day, 0.12)) == "$4.61"
+
+
+def test_the_guides_year_is_about_1_680():
+    year = energy.cost(energy.kwh_from_power(1600, 24 * 365), 0.12)
+    assert energy.format_money(year) == "$1,681.92"
+    assert year == pytest.approx(1680, rel=0.002)  # "Over a year, that's $1,680"
+
+
+def test_the_guides_california_figure_is_not_its_own_arithmetic():
+    # "In California at $0.30/kWh? $4,380": 1.6 kW all year at $0.30 is $4,204.80 ($4,380 is 1.667 kW).
+    assert energy.format_money(energy.cost(energy.kwh_from_power(1600, 24 * 365), 0.30)) == "$4,204.80"
+
+
+def test_nvml_counter_millijoules_become_kwh():
+    assert energy.kwh_from_joules(3_600_000) == 1.0
+    assert energy.gpu_kwh({"energy_total_j": 7_200_000.0}) == 2.0
+    assert energy.gpu_kwh({"energy_total_j": "unsupported"}) is None
+    assert energy.gpu_kwh({"energy_total_j": None}) is None
+
+
+def test_samples_integrate_by_the_trapezoid_rule_in_any_order():
+    # 300 W for an hour, then a ramp from 300 W to 100 W over the next hour: 0.3 + 0.2 kWh.
+    samples = [(3600.0, 300.0), (0.0, 300.0), (7200.0, 100.0)]
+    assert energy.kwh_from_samples(samples) == pytest.approx(0.5)
+    assert energy.kwh_from_samples([(0.0, 300.0)]) == 0.0
+    # The steady-draw rule and the samples agree.
+    assert energy.kwh_from_samples([(0, 1600), (86400, 1600)]) == pytest.approx(energy.kwh_from_power(1600, 24))
+
+
+def test_money_is_written_with_a_symbol_before_or_a_code_after():
+    assert energy.format_money(1234.5, "€") == "€1,234.50"
+    assert energy.format_money(4.608, "EUR") == "4.61 EUR"
+
+
+def test_summary_adds_the_gpus_with_a_counter_and_names_the_others():
+    gpus = [
+        {"index": 0, "energy_total_j": 3_600_000.0},
+        {"index": 1, "energy_total_j": 7_200_000.0},
+        {"index": 2, "energy_total_j": "unsupported"},
+    ]
+    line = energy.energy_summary(gpus, 0.30, "EUR")
+    assert line.startswith("energy since the driver loaded: GPU 0 1.00 kWh, GPU 1 2.00 kWh; 3.00 kWh = 0.90 EUR")
+    assert "at 0.30 EUR/kWh" in line and "no counter on GPU 2" in line
+    assert energy.energy_summary([{"index": 0, "energy_total_j": "unsupported"}]) == (
+        "energy: no GPU with an energy counter"
+    )
