@@ -234,6 +234,8 @@ def _device(nvml: Any, index: int) -> tuple[_Reader, Any]:
     """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
     reader = _Reader(nvml)
     return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
+
+
 def _watts(milliwatts: Any) -> Any:
     return round(milliwatts / 1000, 2) if _known(milliwatts) else milliwatts
 

@@ -404,6 +404,8 @@ def nvmlDeviceGetTotalEccErrors(handle: _Handle, error_type: int, counter_type: 
     handle.get("ecc", "ERR:NVMLError_NotSupported")
     key = "ecc_dbe_volatile" if error_type == 1 else "ecc_sbe_volatile"
     return handle.get(key if counter_type == 0 else key.replace("volatile", "aggregate"), 0)
+
+
 # -- power limits and energy ---------------------------------------------------------------
 # Profile keys (per GPU, under "nvml"): power_limit_min_mw, power_limit_max_mw,
 # power_limit_default_mw (the card's constraints; a missing key makes the call unsupported, as on
