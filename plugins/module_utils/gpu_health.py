@@ -218,7 +218,7 @@ def parse_aer(text: str | None) -> dict[str, int]:
     then "TOTAL_ERR_COR 2"); the total is under "total". Empty for a missing file."""
     counts: dict[str, int] = {}
     for line in (text or "").splitlines():
-        name, _, count = line.strip().rpartition(" ")
+        name, _space, count = line.strip().rpartition(" ")
         if not name or not count.isdigit():
             continue
         counts["total" if name.startswith("TOTAL_ERR_") else name] = int(count)

@@ -22,7 +22,7 @@ description:
     that runs the same code (C(scripts/gpu-power)) at boot.
   - The rules live in C(plugins/module_utils/gpu_power.py), which preflight uses too.
 author:
-  - budgetgpu maintainers
+  - budgetgpu maintainers (!UNKNOWN)
 requirements:
   - nvidia-ml-py (the C(pynvml) module) on the managed node; setting a limit needs root
 options:
@@ -45,12 +45,16 @@ options:
     default: this node
 seealso:
   - module: budgetgpu.cluster.gpu_facts
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
 attributes:
   check_mode:
     support: full
     details: Says which limits it would set (C(changes), C(drift)) and sets none.
   diff_mode:
     support: none
+  platform:
+    platforms: posix
 """
 
 EXAMPLES = r"""

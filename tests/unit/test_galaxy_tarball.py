@@ -105,7 +105,7 @@ def test_the_tarball_holds_what_galaxy_and_users_need(installed):
 
 def every_playbook_by_name(installed, option: str) -> subprocess.CompletedProcess:
     """ansible-playbook <option> budgetgpu.cluster.<each playbook>, with the installed example inventory."""
-    _, root, env, elsewhere = installed
+    _tarball, root, env, elsewhere = installed
     names = [f"budgetgpu.cluster.{name}" for name in PLAYBOOKS]
     return run([tool("ansible-playbook"), "-i", str(root / "inventory" / "example"), option, *names], env, elsewhere)
 
@@ -133,7 +133,7 @@ def test_the_installed_nightly_script_resolves_its_collection_without_a_checkout
     """As cron starts it: no ANSIBLE_CONFIG nor collections path, the installed collection not on
     Ansible's default path. The run reaches the site playbook's first check (an inventory without
     nodes), writes under ~/.local/state/budgetgpu/nightly, and nothing inside the collection."""
-    _, root, env, elsewhere = installed
+    _tarball, root, env, elsewhere = installed
     cron_env = {key: value for key, value in env.items() if not key.startswith("ANSIBLE_")}
     inventory = tmp_path / "empty-inventory.yml"
     inventory.write_text("all:\n  children:\n    gpu_nodes: {}\n")
@@ -176,7 +176,7 @@ CRON_COMMAND_PLAY = """
 def test_the_installed_roles_cron_entry_names_its_script_playbook_and_settings(installed, tmp_path):
     """What role reprovision writes into cron from the installed collection: the installed script, the
     collection playbook, and the ansible-playbook and ansible.cfg of the run that installed it."""
-    _, root, env, elsewhere = installed
+    _tarball, root, env, elsewhere = installed
     play = tmp_path / "render.yml"
     play.write_text(CRON_COMMAND_PLAY)
     inventory = str(root / "inventory" / "example")

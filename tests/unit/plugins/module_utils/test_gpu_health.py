@@ -129,7 +129,7 @@ def test_the_catalogue_corrects_the_first_draft(xid, klass):
 
 
 def test_catalogue_uses_only_the_three_classes():
-    assert {klass for klass, _ in gpu_health.XID_CATALOGUE.values()} == {"info", "restart", "take_out"}
+    assert {klass for klass, _title in gpu_health.XID_CATALOGUE.values()} == {"info", "restart", "take_out"}
 
 
 @pytest.mark.parametrize("bus_id", ["00000000:3B:00.0", "3b:00.0", "0000:01:00.0", "10000:e1:00.0", "junk", "x:1:2"])
@@ -410,7 +410,7 @@ def test_no_gpu_at_all_is_the_driver_not_a_missing_gpu():
 def test_a_gpu_still_missing_stays_found_and_clears_when_it_is_back():
     first = {"gpus": [gpu(i) for i in range(4)]}
     gone = {"gpus": [gpu(0), gpu(1), gpu(3)]}
-    state, _ = gpu_health.watch_state(None, gpu_health.pass_findings(gone, first, {}), 100)
+    state, _lines = gpu_health.watch_state(None, gpu_health.pass_findings(gone, first, {}), 100)
     previous = gpu_health.next_previous(gone, first)
     assert [g["uuid"] for g in previous["missing"]] == [UUID2]
     state, lines = gpu_health.watch_state(state, gpu_health.pass_findings(gone, previous, {}), 160)
@@ -452,7 +452,7 @@ def test_a_new_finding_is_logged_once_and_persists_silently():
 
 
 def test_a_cleared_finding_is_logged_once():
-    state, _ = gpu_health.watch_state({"cursor": "s=1"}, THROTTLE, 100)
+    state, _lines = gpu_health.watch_state({"cursor": "s=1"}, THROTTLE, 100)
     state, lines = gpu_health.watch_state(state, [], 160)
     assert lines == [
         "cleared: GPU 1 (GPU-30900000..., 0000:02:00.0): software thermal slowdown at 84 C",
@@ -477,16 +477,16 @@ def test_take_out_is_sticky_until_release():
 
 
 def test_release_keeps_warn_reasons_and_a_persisting_fault_comes_back():
-    state, _ = gpu_health.watch_state(None, FAN + THROTTLE, 100)
+    state, _lines = gpu_health.watch_state(None, FAN + THROTTLE, 100)
     assert state["gpus"][UUID1]["status"] == "take_out"
-    state, _ = gpu_health.release(state, UUID1, 200)
+    state, _lines = gpu_health.release(state, UUID1, 200)
     assert state["gpus"][UUID1]["status"] == "warn" and list(state["gpus"][UUID1]["reasons"]) == ["thermal_throttle"]
     state, lines = gpu_health.watch_state(state, FAN + THROTTLE, 260)
     assert lines == [f"take_out: {FAN[0]['detail']}", "GPU 1 (GPU-30900000..., 0000:02:00.0): status warn -> take_out"]
 
 
 def test_release_of_an_unknown_gpu_changes_nothing():
-    state, _ = gpu_health.watch_state(None, THROTTLE, 100)
+    state, _lines = gpu_health.watch_state(None, THROTTLE, 100)
     assert gpu_health.release(state, "GPU-nope", 200) == (state, ["release: GPU-nope is not in the health state"])
 
 
@@ -545,13 +545,13 @@ def test_boot_links_are_each_gpus_own_trained_link():
 
 def test_quarantined_holds_the_watchs_take_outs_and_the_inventorys_list():
     findings = gpu_health.pass_findings({"gpus": [gpu(0), gpu(1, temperature_c=90, fans=[{"speed_pct": 0}])]}, None, {})
-    state, _ = gpu_health.watch_state(None, findings, "t1")
+    state, _lines = gpu_health.watch_state(None, findings, "t1")
     state["previous"] = {"gpus": [gpu(i) for i in range(4)]}
     out = gpu_health.quarantined(state, [UUIDS[3], "GPU-of-another-node"])
     assert out[UUIDS[3]] == {"reason": "listed in gpu_health_quarantine", "since": None, "by": "inventory"}
     assert out[UUIDS[1]]["by"] == "watch" and out[UUIDS[1]]["since"] == "t1" and "fan 0%" in out[UUIDS[1]]["reason"]
     assert set(out) == {UUIDS[1], UUIDS[3]}
-    released, _ = gpu_health.release(state, UUIDS[1], "t2")
+    released, _lines = gpu_health.release(state, UUIDS[1], "t2")
     assert gpu_health.quarantined(released) == {}
 
 
