@@ -21,7 +21,7 @@ XID_79 = (
 @pytest.fixture
 def watch(fake_pynvml, sim_tree, tmp_path, monkeypatch):
     """(script module, config, faults writer) for a 4x RTX 3090 node with a kern.log file."""
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     script = load_file_module("gpu_health_script", REPO / "scripts" / "gpu-health")
     faults = tmp_path / "faults.json"
@@ -112,7 +112,7 @@ def test_one_pass_on_a_4_gpu_node_costs_under_100_ms_of_cpu(watch):
 
 
 def launcher_argv(state: dict, tmp_path, nproc: int, fixed: bool) -> tuple[list[str] | None, dict]:
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
     (tmp_path / "state.json").write_text(json.dumps(state))
@@ -170,7 +170,7 @@ def test_fact_prints_the_quarantine_for_ansibles_local_facts(watch, tmp_path, ca
 
 
 def test_the_launcher_starts_as_before_when_it_cannot_read_the_state(tmp_path, capsys):
-    from conftest import load_file_module
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
     (tmp_path / "state.json").write_text("{half a file")
