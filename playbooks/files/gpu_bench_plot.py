@@ -38,7 +38,9 @@ def main(argv: list[str]) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("gpu_bench_plot: matplotlib is not installed on the control node: pip install matplotlib", file=sys.stderr)
+        print(
+            "gpu_bench_plot: matplotlib is not installed on the control node: pip install matplotlib", file=sys.stderr
+        )
         return 3
     with open(argv[0], encoding="utf-8") as handle:
         report = json.load(handle)
@@ -51,22 +53,41 @@ def main(argv: list[str]) -> int:
         positions = range(len(gpus))
         ax.bar(positions, values, color=colors)
         medians = [gpu["peer_median"].get(metric) for gpu in gpus]
-        ax.scatter(positions, [m if m is not None else float("nan") for m in medians], marker="_", s=600, color="black",
-                   label="median of its model", zorder=3)
+        ax.scatter(
+            positions,
+            [m if m is not None else float("nan") for m in medians],
+            marker="_",
+            s=600,
+            color="black",
+            label="median of its model",
+            zorder=3,
+        )
         if metric in ("h2d_gbs", "d2h_gbs"):
             links = [(gpu.get("link") or {}).get("bandwidth_gbps") for gpu in gpus]
-            ax.scatter(positions, [link if link is not None else float("nan") for link in links], marker="_", s=600,
-                       color="tab:green", linestyle="--", label="link carries", zorder=3)
+            ax.scatter(
+                positions,
+                [link if link is not None else float("nan") for link in links],
+                marker="_",
+                s=600,
+                color="tab:green",
+                linestyle="--",
+                label="link carries",
+                zorder=3,
+            )
         ax.set_xticks(list(positions))
         ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(loc="best", fontsize=7)
-    verdict = "PASS" if report.get("passed") else (
-        f"{len(report['stragglers'])} straggler(s), {len(report['link_flags'])} copy flag(s)"
+    verdict = (
+        "PASS"
+        if report.get("passed")
+        else (f"{len(report['stragglers'])} straggler(s), {len(report['link_flags'])} copy flag(s)")
     )
-    fig.suptitle(f"GPU benchmark, {len(gpus)} GPU(s): {verdict} (red: over {report['threshold'] * 100:.0f}% below the median)")
+    fig.suptitle(
+        f"GPU benchmark, {len(gpus)} GPU(s): {verdict} (red: over {report['threshold'] * 100:.0f}% below the median)"
+    )
     fig.tight_layout()
     fig.savefig(argv[1])
     return 0

@@ -74,7 +74,11 @@ def busy_gpus(
 
 def refusal(host: str, gpus: list[dict[str, Any]], busy: dict[str, str]) -> str | None:
     """Return the message that refuses a benchmark on busy GPUs, naming host and GPUs; None when free."""
-    named = [f"GPU {gpu.get('index')} ({gpu.get('uuid')}): {busy[gpu.get('uuid')]}" for gpu in gpus if gpu.get("uuid") in busy]
+    named = [
+        f"GPU {gpu.get('index')} ({gpu.get('uuid')}): {busy[gpu.get('uuid')]}"
+        for gpu in gpus
+        if gpu.get("uuid") in busy
+    ]
     if not named:
         return None
     return (
@@ -173,13 +177,27 @@ def link_finding(
     if by_link:
         capable = link.get("capable_width")
         if isinstance(capable, int) and isinstance(link.get("width"), int) and link["width"] < capable:
-            advice = f"the link trained at x{link['width']} although both ends support x{capable}: reseat the riser or card"
+            advice = (
+                f"the link trained at x{link['width']} although both ends support x{capable}: reseat the riser or card"
+            )
         else:
             advice = "the slot or riser limits it: a wider slot or riser gives more"
         return f"{where}: {copies}, link {_link_text(link)}{at} carries {carries:.2f} GB/s: {advice}"
     return (
         f"{where}: {copies}, far below the {carries:.2f} GB/s its link {_link_text(link)}{at} carries: check that "
         "the memory is pinned, the IOMMU, and the GPU's NUMA node"
+    )
+
+
+def _straggler_line(entry: dict[str, Any], figures: dict[str, float | None]) -> str:
+    where = f"{entry.get('host')} GPU {entry.get('index')} ({entry.get('bus_id')}, {entry.get('name')})"
+    ratios, slow = entry["ratio"], entry["slow"]
+    figures_text = ", ".join(
+        f"{_label(name)} {figures[name]:.3g} {_unit(name)} ({(ratios[name] - 1) * 100:+.0f}%)" for name in slow
+    )
+    return (
+        f"{where}: {(1 - ratios[slow[0]]) * 100:.0f}% slower than the median of its model ({entry['peers']} GPU(s): "
+        f"{figures_text}): {entry['cause']}"
     )
 
 
@@ -219,17 +237,9 @@ def analyze(
             "cause": None,
             "link_flags": [],
         }
-        where = f"{gpu.get('host')} GPU {gpu.get('index')} ({gpu.get('bus_id')}, {gpu.get('name')})"
         if slow:
             entry["cause"] = straggler_cause(gpu, peers, slow, threshold)
-            worst = slow[0]
-            figures_text = ", ".join(
-                f"{_label(name)} {figures[name]:.3g} {_unit(name)} ({(ratios[name] - 1) * 100:+.0f}%)" for name in slow
-            )
-            stragglers.append(
-                f"{where}: {(1 - ratios[worst]) * 100:.0f}% slower than the median of its model ({len(peers)} GPU(s): "
-                f"{figures_text}): {entry['cause']}"
-            )
+            stragglers.append(_straggler_line(entry, figures))
         flag = link_finding(gpu, medians[key], threshold, copy_link_fraction)
         if flag:
             entry["link_flags"].append(flag)
@@ -293,7 +303,9 @@ def report_table(report: dict[str, Any]) -> list[str]:
     lines += [f"timed out (figures partial): {name}" for name in report["timed_out"]]
     count = len(report["gpus"])
     if report["passed"]:
-        lines.append(f"{count} GPU(s) within {report['threshold'] * 100:.0f}% of their peers' median, copies as their links allow")
+        lines.append(
+            f"{count} GPU(s) within {report['threshold'] * 100:.0f}% of their peers' median, copies as their links allow"
+        )
     else:
         lines.append(
             f"{len(report['stragglers'])} straggler(s) and {len(report['link_flags'])} copy flag(s) among {count} GPU(s) "

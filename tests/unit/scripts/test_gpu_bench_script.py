@@ -95,8 +95,10 @@ def test_gpu_probe_bench_finds_the_hot_card_and_the_riser(sim_node):
     assert "30% slower than the median of its model (4 GPU(s)" in hot
     assert "thermal throttling (hw_thermal_slowdown during the run, up to 91 C)" in hot
     link = next(line for line in lines if line.startswith("link:"))
-    assert " GPU 3 (0000:04:00.0): H2D 0.84 GB/s, D2H 0.84 GB/s, link x1 gen3 (limiting hop 0000:00:1d.0) carries " \
+    assert (
+        " GPU 3 (0000:04:00.0): H2D 0.84 GB/s, D2H 0.84 GB/s, link x1 gen3 (limiting hop 0000:00:1d.0) carries "
         "0.98 GB/s: the link trained at x1 although both ends support x4" in link
+    )
     assert [line for line in lines if line.startswith(("straggler:", "link:"))] == [
         line for line in lines if " GPU 2 " in line or " GPU 3 " in line
     ]
@@ -110,8 +112,14 @@ def test_gpu_probe_bench_json_carries_the_samples_and_the_report(sim_node):
     hot = data["gpus"][1]
     assert hot["dtypes"] == ["fp32", "fp16", "bf16"] and hot["device_id"] == "0x2204"
     assert hot["samples"]["throttle_reasons"] == ["hw_thermal_slowdown"] and hot["samples"]["count"] >= 2
-    assert hot["link"] == {"gen": 3, "width": 4, "bandwidth_gbps": 3.94, "capable_gen": 3, "capable_width": 4,
-                           "limiting_hop": "0000:00:1c.4"}
+    assert hot["link"] == {
+        "gen": 3,
+        "width": 4,
+        "bandwidth_gbps": 3.94,
+        "capable_gen": 3,
+        "capable_width": 4,
+        "limiting_hop": "0000:00:1c.4",
+    }
     ratio = hot["matmul_tflops"]["fp32"] / data["gpus"][0]["matmul_tflops"]["fp32"]
     assert ratio == pytest.approx(0.7, abs=0.01)
     assert data["report"]["gpus"][1]["straggler"] and not data["report"]["gpus"][0]["straggler"]

@@ -23,10 +23,22 @@ def gpu(index: int, scale: float = 1.0, host: str = "node1", **more) -> dict:
         "memory_gbs": 795.0 * scale,
         "h2d_gbs": 13.1,
         "d2h_gbs": 13.2,
-        "link": {"gen": 3, "width": 16, "bandwidth_gbps": 15.76, "capable_gen": 3, "capable_width": 16,
-                 "limiting_hop": "0000:00:01.0"},
-        "samples": {"temperature_c_max": 71, "sm_clock_mhz_median": 1890, "sm_clock_max_mhz": 2100,
-                    "power_w_max": 340.0, "power_limit_w": 350.0, "throttle_reasons": []},
+        "link": {
+            "gen": 3,
+            "width": 16,
+            "bandwidth_gbps": 15.76,
+            "capable_gen": 3,
+            "capable_width": 16,
+            "limiting_hop": "0000:00:01.0",
+        },
+        "samples": {
+            "temperature_c_max": 71,
+            "sm_clock_mhz_median": 1890,
+            "sm_clock_max_mhz": 2100,
+            "power_w_max": 340.0,
+            "power_limit_w": 350.0,
+            "throttle_reasons": [],
+        },
         "timed_out": False,
     }
     for key, value in more.items():
@@ -39,8 +51,15 @@ def gpu(index: int, scale: float = 1.0, host: str = "node1", **more) -> dict:
 
 @pytest.mark.parametrize(
     ("capability", "dtypes"),
-    [("8.6", ["fp32", "fp16", "bf16"]), ("9.0", ["fp32", "fp16", "bf16"]), ("7.5", ["fp32", "fp16"]),
-     ("5.3", ["fp32", "fp16"]), ("5.2", ["fp32"]), ("unsupported", ["fp32"]), (None, ["fp32"])],
+    [
+        ("8.6", ["fp32", "fp16", "bf16"]),
+        ("9.0", ["fp32", "fp16", "bf16"]),
+        ("7.5", ["fp32", "fp16"]),
+        ("5.3", ["fp32", "fp16"]),
+        ("5.2", ["fp32"]),
+        ("unsupported", ["fp32"]),
+        (None, ["fp32"]),
+    ],
 )
 def test_dtypes_follow_the_compute_capability(capability, dtypes):
     assert gpu_bench.dtypes_for(capability) == dtypes
@@ -48,12 +67,21 @@ def test_dtypes_follow_the_compute_capability(capability, dtypes):
 
 def test_bad_thermal_paste_30_percent_slower_is_a_thermal_straggler():
     # The guide: "a GPU with bad thermal paste runs 30% slower, making the entire cluster run at that speed".
-    hot = gpu(2, 0.7, samples={"temperature_c_max": 91, "sm_clock_mhz_median": 1320,
-                               "throttle_reasons": ["hw_thermal_slowdown", "sw_thermal_slowdown"]})
+    hot = gpu(
+        2,
+        0.7,
+        samples={
+            "temperature_c_max": 91,
+            "sm_clock_mhz_median": 1320,
+            "throttle_reasons": ["hw_thermal_slowdown", "sw_thermal_slowdown"],
+        },
+    )
     report = gpu_bench.analyze([gpu(0), gpu(1), hot, gpu(3)])
     assert not report["passed"]
     (line,) = report["stragglers"]
-    assert line.startswith("node1 GPU 2 (0000:03:00.0, NVIDIA GeForce RTX 3090): 30% slower than the median of its model")
+    assert line.startswith(
+        "node1 GPU 2 (0000:03:00.0, NVIDIA GeForce RTX 3090): 30% slower than the median of its model"
+    )
     assert "thermal throttling (hw_thermal_slowdown, sw_thermal_slowdown during the run, up to 91 C)" in line
     assert "thermal paste" in line
     entry = report["gpus"][2]
@@ -95,8 +123,9 @@ def test_a_riser_at_x1_is_flagged_with_the_link_that_limits_it():
     riser_link = {"gen": 3, "width": 1, "bandwidth_gbps": 0.985, "capable_width": 4, "limiting_hop": "0000:00:1d.0"}
     riser = gpu(3, h2d_gbs=0.84, d2h_gbs=0.83, link=riser_link)
     x4 = {"gen": 3, "width": 4, "bandwidth_gbps": 3.94, "capable_width": 4, "limiting_hop": "0000:00:1c.0"}
-    report = gpu_bench.analyze([gpu(0), gpu(1, h2d_gbs=3.35, d2h_gbs=3.3, link=x4),
-                                gpu(2, h2d_gbs=3.35, d2h_gbs=3.3, link=x4), riser])
+    report = gpu_bench.analyze(
+        [gpu(0), gpu(1, h2d_gbs=3.35, d2h_gbs=3.3, link=x4), gpu(2, h2d_gbs=3.35, d2h_gbs=3.3, link=x4), riser]
+    )
     (flag,) = report["link_flags"]
     assert flag == (
         "node1 GPU 3 (0000:04:00.0): H2D 0.84 GB/s, D2H 0.83 GB/s, link x1 gen3 (limiting hop 0000:00:1d.0) carries "
