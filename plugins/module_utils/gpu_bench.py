@@ -301,14 +301,12 @@ def report_table(report: dict[str, Any]) -> list[str]:
     lines += [f"straggler: {line}" for line in report["stragglers"]]
     lines += [f"link: {line}" for line in report["link_flags"]]
     lines += [f"timed out (figures partial): {name}" for name in report["timed_out"]]
-    count = len(report["gpus"])
+    count, percent = len(report["gpus"]), f"{report['threshold'] * 100:.0f}%"
     if report["passed"]:
-        lines.append(
-            f"{count} GPU(s) within {report['threshold'] * 100:.0f}% of their peers' median, copies as their links allow"
-        )
+        lines.append(f"{count} GPU(s) within {percent} of their peers' median, copies as their links allow")
     else:
         lines.append(
-            f"{len(report['stragglers'])} straggler(s) and {len(report['link_flags'])} copy flag(s) among {count} GPU(s) "
-            f"(threshold {report['threshold'] * 100:.0f}% below the median of the same model)"
+            f"{len(report['stragglers'])} straggler(s) and {len(report['link_flags'])} copy flag(s) among "
+            f"{count} GPU(s) (threshold {percent} below the median of the same model)"
         )
     return lines
