@@ -110,7 +110,7 @@ def sim_backend(torch: Any, nvml: Any) -> Any:
             "gpu_bench_measure: --backend sim needs gpu_sim's sim_device.py on the path "
             f"({os.environ.get('BUDGETGPU_SIM_LIB', SIM_LIB_DEFAULT)}): this is not a simulated node"
         ) from None
-    return sim_device.SimDevice(torch, nvml)
+    return sim_device.SimDevice(torch, nvml, load_util("pcie").lane_bandwidth_gbps)
 
 
 class Sampler(threading.Thread):

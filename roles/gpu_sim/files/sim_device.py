@@ -11,7 +11,8 @@ simulated card would have taken, as CUDA events answer on a real one:
   paste does);
 - host copies at what the GPU's PCIe path carries: the slowest link from its root port down
   (the profile's sysfs attributes, and NVML's current width, which a fault can lower), at
-  COPY_EFFICIENCY of the link's rate, or the card's own rate if that is lower.
+  COPY_EFFICIENCY of the link's rate, or the card's own rate if that is lower. A link's GB/s comes
+  from the one table of them, pcie.py's lane_bandwidth_gbps, which the caller passes in.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# Usable GB/s per lane (pcie.py's table; the device models physics, not the code under test).
-_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 _GEN_BY_GTS = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 # Datasheet dense TFLOPS (fp32 on CUDA cores, fp16/bf16 on tensor cores with fp32 accumulate) and
 # memory GB/s of the profiles' cards.
@@ -69,8 +68,8 @@ class SimDevice:
 
     name = "sim"
 
-    def __init__(self, torch: Any, nvml: Any) -> None:
-        self.torch, self.nvml = torch, nvml
+    def __init__(self, torch: Any, nvml: Any, lane_bandwidth_gbps: Any) -> None:
+        self.torch, self.nvml, self.lane_bandwidth_gbps = torch, nvml, lane_bandwidth_gbps
 
     def _card(self, index: int) -> dict[str, Any]:
         """The card's rates, clock factor and link, as NVML answers now (faults included)."""
@@ -90,7 +89,7 @@ class SimDevice:
         finally:
             nvml.nvmlShutdown()
         rates = RATES.get(str(function.get("device", "")).lower(), FALLBACK_RATES)
-        link = _LANE_GBPS.get(gen or 0, 0.0) * (width or 0)
+        link = self.lane_bandwidth_gbps(gen, width) or 0.0
         return {"rates": rates, "factor": factor, "link_gbs": link}
 
     def matmul_seconds(self, index: int, dtype: str, n: int, iters: int) -> float:
