@@ -73,14 +73,15 @@ def busy_gpus(
 
 
 def refusal(host: str, gpus: list[dict[str, Any]], busy: dict[str, str]) -> str | None:
-    """Return the message that refuses a benchmark on busy GPUs, naming host and GPUs; None when free."""
-    named = [
-        f"GPU {gpu.get('index')} ({gpu.get('uuid')}): {busy[gpu.get('uuid')]}"
-        for gpu in gpus
-        if gpu.get("uuid") in busy
-    ]
-    if not named:
+    """Return the message that refuses a benchmark on busy GPUs, naming host and GPUs (grouped by
+    reason); None when every GPU is free."""
+    by_reason: dict[str, list[str]] = {}
+    for gpu in gpus:
+        if gpu.get("uuid") in busy:
+            by_reason.setdefault(busy[gpu["uuid"]], []).append(f"GPU {gpu.get('index')} ({gpu.get('uuid')})")
+    if not by_reason:
         return None
+    named = [f"{', '.join(names)}: {reason}" for reason, names in by_reason.items()]
     return (
         f"{host}: will not benchmark GPUs in use, it would slow the work and measure less than the card gives: "
         + "; ".join(named)

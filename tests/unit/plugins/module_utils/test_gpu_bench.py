@@ -157,6 +157,8 @@ def test_busy_gpus_are_refused_naming_host_gpu_and_the_override():
     job = gpu_bench.busy_gpus(gpus, ["budgetgpu-job-main.service"], {}, {"GPU-a": [4242]})
     assert job["GPU-a"] == "job budgetgpu-job-main.service runs on the node; processes 4242 use it"
     assert set(job) == {"GPU-a", "GPU-b"}
+    both = gpu_bench.refusal("node2", gpus, gpu_bench.busy_gpus(gpus, ["budgetgpu-job-main.service"], {}, {}))
+    assert "GPU 0 (GPU-a), GPU 1 (GPU-b): job budgetgpu-job-main.service runs on the node: stop them" in both
 
 
 def test_the_table_shows_each_gpu_against_its_peers_and_the_verdict():
