@@ -2,11 +2,9 @@
 dtypes the card runs, device memory bandwidth, pinned host-to-device and device-to-host copies,
 with NVML's temperature, SM clock, power and throttle reasons sampled during each GPU's run.
 
-Run by path with the job venv's python (torch), by `gpu-probe --bench` and playbooks/gpu_bench.yml:
-
-    python gpu_bench_measure.py [--backend cuda|sim] [--sysfs-root DIR] [--seconds S] [--gpus 0,2]
-
-prints {host, backend, gpus: [result]} as JSON (gpu_bench.py describes a result). The measuring
+`scripts/gpu-probe --bench` (which playbooks/gpu_bench.yml runs on every node) loads this file by
+path in the job venv's python (torch) and calls measure(), which returns {host, backend,
+seconds_per_gpu, gpus: [result]} (gpu_bench.py describes a result). The measuring
 takes a device backend: `cuda` times torch's kernels with CUDA events; `sim` (gpu_sim nodes, which
 have no CUDA) is gpu_sim's simulated device (sim_device.py beside its drop-in pynvml): torch runs
 the same kernels on CPU and the device answers how long the simulated card would take. Everything
@@ -17,9 +15,7 @@ Only the standard library at import: torch and pynvml are imported when run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import socket
 import statistics
@@ -252,25 +248,18 @@ def bench_node(
     return {"host": host, "backend": backend.name, "seconds_per_gpu": seconds, "gpus": results}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_bench_measure", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("cuda", "sim"), default="cuda")
-    parser.add_argument("--sysfs-root", default="/sys")
-    parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="hard bound per GPU")
-    parser.add_argument("--gpus", help="comma-separated NVML indices (default: all)")
-    args = parser.parse_args(argv)
+def measure(
+    backend: str = "cuda", sysfs_root: str = "/sys", seconds: float = DEFAULT_SECONDS, gpus: str | None = None
+) -> dict[str, Any]:
+    """Return bench_node's answer with the named backend ("cuda" or "sim"), for the GPUs in gpus
+    ("0,2"; None: all). Imports torch and pynvml: run it in the job venv's python."""
     # torch numbers CUDA devices fastest first unless told otherwise; NVML by PCI bus id.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    if args.backend == "sim":
+    if backend == "sim":
         sys.path.insert(0, os.environ.get("BUDGETGPU_SIM_LIB", SIM_LIB_DEFAULT))
     import pynvml  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
 
-    backend = sim_backend(torch, pynvml) if args.backend == "sim" else CudaBackend(torch)
-    only = [int(index) for index in args.gpus.split(",")] if args.gpus else None
-    print(json.dumps(bench_node(backend, pynvml, args.sysfs_root, args.seconds, only), indent=1, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    device = sim_backend(torch, pynvml) if backend == "sim" else CudaBackend(torch)
+    only = [int(index) for index in gpus.split(",")] if gpus else None
+    return bench_node(device, pynvml, sysfs_root, seconds, only)
