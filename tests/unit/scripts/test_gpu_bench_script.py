@@ -129,3 +129,19 @@ def test_gpu_probe_bench_check_says_whether_gpus_are_free(sim_node):
     done = bench(sim_node, "--check")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(": GPUs free")
+
+
+def test_the_plot_draws_every_gpu_against_its_peer_median(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the control node's) is not installed in this venv")
+    from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_bench
+    from ansible_collections.budgetgpu.cluster.tests.unit.plugins.module_utils.test_gpu_bench import gpu
+
+    report = tmp_path / "gpu-bench.json"
+    report.write_text(json.dumps(gpu_bench.analyze([gpu(0), gpu(1, 0.7), gpu(2)])))
+    png = tmp_path / "gpu-bench.png"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "playbooks" / "files" / "gpu_bench_plot.py"), str(report), str(png)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
