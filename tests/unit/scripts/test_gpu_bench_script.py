@@ -4,6 +4,7 @@ simulated device, torch's CPU build), with a thermal throttle injected through t
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -82,7 +83,8 @@ def sim_node(tmp_path, sim_tree):
 def bench(sim_node, *options: str) -> subprocess.CompletedProcess[str]:
     root, env = sim_node
     argv = [sys.executable, str(REPO / "scripts" / "gpu-probe"), "--bench", "--backend", "sim", "--sysfs-root", root]
-    argv += ["--python", sys.executable, "--seconds", "30", *options]
+    # The test's own interpreter as the job venv's, as the user who runs the test (root on CI).
+    argv += ["--python", sys.executable, "--user", getpass.getuser(), "--seconds", "30", *options]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
 
 
