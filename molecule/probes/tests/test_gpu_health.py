@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import testinfra.utils.ansible_runner
 
@@ -21,7 +20,6 @@ AER = "/var/lib/budgetgpu-sim/sys/bus/pci/devices/0000:03:00.0/aer_dev_correctab
 LAUNCHER = "/var/lib/budgetgpu-probes/budgetgpu-torchrun"
 GPUS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
 LISTED, FAULTY = GPUS[1], GPUS[2]  # GPU 1 from the inventory, GPU 2 from the faults below
-REPO = os.environ.get("MOLECULE_PROJECT_DIRECTORY", ".")
 
 
 def state(host) -> dict:
@@ -125,18 +123,10 @@ def test_the_next_job_start_leaves_the_quarantined_gpus_out_or_holds_a_fixed_job
     assert set(fact["quarantine"]) == {LISTED, FAULTY}
 
 
-def release(gpu: str) -> subprocess.CompletedProcess:
-    argv = ["ansible-playbook", "-i", os.environ["MOLECULE_INVENTORY_FILE"], "--limit", "health_watch"]
-    argv += [os.path.join(REPO, "playbooks", "gpu_release.yml"), "-e", f"gpu={gpu}"]
-    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
-    # Failures go to stderr, and the callback wraps long messages (a literal \n in its quoted form):
-    # the test reads both streams, as words.
-    words = " ".join((done.stdout + done.stderr).replace("\\n", " ").split())
-    return subprocess.CompletedProcess(argv, done.returncode, words, done.stderr)
+def test_gpu_release_names_what_is_quarantined_then_returns_the_gpu(host, playbook):
+    def release(gpu: str):
+        return playbook("gpu_release.yml", "--limit", "health_watch", "-e", f"gpu={gpu}")
 
-
-def test_gpu_release_names_what_is_quarantined_then_returns_the_gpu(host):
     wrong = release("GPU-deadbeef-0000-0000-0000-000000000000")
     assert wrong.returncode != 0
     assert "probes-3090: GPU GPU-deadbeef-0000-0000-0000-000000000000 is not quarantined here" in wrong.stdout

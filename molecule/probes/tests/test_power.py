@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import testinfra.utils.ansible_runner
@@ -16,7 +13,6 @@ testinfra_hosts = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLEC
     "gpu_nodes"
 )
 
-REPO = Path(os.environ["MOLECULE_PROJECT_DIRECTORY"])
 UNIT = "budgetgpu-gpu-power.service"
 CAPS = {"probes-3090": [280000, 280000, 280000, 250000], "probes-h200": [500000]}
 H200_UUID = "GPU-0f7beba8-d2ad-9855-c2eb-a600187383a0"
@@ -39,17 +35,6 @@ def simulated(host) -> str:
     if name not in CAPS:
         pytest.skip("a node with simulated GPUs")
     return name
-
-
-def playbook(name: str, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
-    """Run a playbook of the checkout against the scenario's nodes, as a user (or the nightly run) would."""
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
-    env.update(env_extra)
-    command = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", os.environ["MOLECULE_INVENTORY_FILE"]]
-    return subprocess.run(
-        [*command, str(REPO / "playbooks" / name), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
 
 
 def test_caps_are_set_and_the_boot_unit_is_enabled(host):
@@ -96,7 +81,7 @@ def test_jobs_and_workers_start_after_the_boot_unit(host):
         host.check_output("rm -f /etc/systemd/system/budgetgpu-*-powercheck*.service && systemctl daemon-reload")
 
 
-def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, tmp_path):
+def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, tmp_path, playbook):
     if host.backend.get_hostname() != "probes-3090":
         pytest.skip("one run for the scenario, on probes-3090")
     # nvidia-smi -i 3 -pl 400
@@ -110,6 +95,7 @@ def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, t
     done = playbook(
         "provision.yml", "--skip-tags", OTHER_ROLES, "--limit", "probes-3090", "-e", '{"budgetgpu_safe_mode": true}',
         ANSIBLE_CALLBACKS_ENABLED="budgetgpu.cluster.drift_report", BUDGETGPU_DRIFT_REPORT=str(report),
+        ANSIBLE_CALLBACK_RESULT_FORMAT="json",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert limits(host) == CAPS["probes-3090"]
@@ -122,11 +108,14 @@ def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, t
     assert "at $0.12/kWh" in done.stdout  # the provisioning summary's energy line
 
 
-def test_preflight_refuses_a_cap_out_of_the_cards_range_and_changes_nothing(host):
+def test_preflight_refuses_a_cap_out_of_the_cards_range_and_changes_nothing(host, playbook):
     if host.backend.get_hostname() != "probes-h200":
         pytest.skip("one run for the scenario, on probes-h200")
     config = host.file("/etc/budgetgpu/gpu-power.json").content_string
-    done = playbook("preflight.yml", "--limit", "probes-h200", "-e", '{"gpu_power_limit_watts": {"all": 800}}')
+    done = playbook(
+        "preflight.yml", "--limit", "probes-h200", "-e", '{"gpu_power_limit_watts": {"all": 800}}',
+        ANSIBLE_CALLBACK_RESULT_FORMAT="json",
+    )  # fmt: skip
     assert done.returncode != 0
     assert (
         f"FAIL probes-h200: gpu_power_limit_watts['all']: GPU 0 ({H200_UUID}, 0000:00:06.0, NVIDIA H200): 800 W is "
