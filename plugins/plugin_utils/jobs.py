@@ -19,6 +19,7 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     rendezvous: c10d                    # or static (--node-rank/--master-addr as in the guide)
     max_restarts: 3
     checkpoint_every_minutes: 15
+    straggler_every_steps: 200          # rank 0 names the slowest rank every N steps; 0: off
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "checkpoint_dir": None,  # <workdir>/checkpoints
     "checkpoint_every_minutes": 15,
     "checkpoint_every_steps": 0,
+    # Every N steps the ranks' compute times are compared and rank 0 logs the slowest against the
+    # median (budgetgpu_straggler; BUDGETGPU_STRAGGLER_EVERY_STEPS); 0 turns it off.
+    "straggler_every_steps": 200,
     "environment": {},
     "user": "budgetgpu",
     "backend": "auto",
@@ -68,6 +72,10 @@ JOB_DEFAULTS: dict[str, Any] = {
 }
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
 STATE_ROOT = "/var/lib/budgetgpu/jobs"
+# In a job's state directory: rank 0's latest status (step, steps per second, straggler line) and
+# the GPUs' energy counters when the unit started (the unit's ExecStartPre writes it).
+STATUS_FILE = "status.json"
+ENERGY_START_FILE = "energy-start.json"
 ENV_DIR = "/etc/budgetgpu/jobs"
 
 
@@ -94,7 +102,14 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
     # Extra vars and some inventories give numbers as strings: take "29500" as 29500.
-    for key in ("port", "max_restarts", "rendezvous_timeout", "checkpoint_every_steps", "nproc_per_node"):
+    for key in (
+        "port",
+        "max_restarts",
+        "rendezvous_timeout",
+        "checkpoint_every_steps",
+        "straggler_every_steps",
+        "nproc_per_node",
+    ):
         value = merged.get(key)
         if isinstance(value, str) and value.strip().isdigit():
             merged[key] = int(value)
@@ -317,6 +332,9 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
         "BUDGETGPU_CHECKPOINT_DIR": str(job["checkpoint_dir"]),
         "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
         "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
+        "BUDGETGPU_STRAGGLER_EVERY_STEPS": str(job["straggler_every_steps"]),
+        # Rank 0 writes the job's status here; train.yml -e job_state=status reads it.
+        "BUDGETGPU_STATUS_FILE": f"{job['state_dir']}/{STATUS_FILE}",
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
         "PYTHONUNBUFFERED": "1",
     }
