@@ -25,10 +25,12 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
 from __future__ import annotations
 
 import base64
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -434,3 +436,64 @@ def systemd_show(output: str) -> dict[str, dict[str, str]]:
         if "Id" in props:
             units[props["Id"]] = props
     return units
+
+
+def _slurped_json(result: Mapping[str, Any] | None) -> Any:
+    """Return the JSON a slurp result holds; None for a missing or unreadable file."""
+    content = (result or {}).get("content")
+    if not content:
+        return None
+    try:
+        return json.loads(base64.b64decode(content).decode("utf-8"))
+    except ValueError:
+        return None
+
+
+def torchrun_job_status(
+    job: Mapping[str, Any],
+    unit: Mapping[str, str] | None,
+    status: Mapping[str, Any] | None,
+    energy_start: Mapping[str, Any] | None,
+    gpus_facts: Mapping[str, Any] | None,
+    now: float,
+    price: Any = None,
+    currency: Any = None,
+) -> dict[str, Any]:
+    """Return what train.yml -e job_state=status prints for one job on one node: its unit's state
+    (systemctl show: ActiveState, SubState, NRestarts), rank 0's status file (status.json: step,
+    steps_per_s, straggler, time; only rank 0's node has one), and the job run's energy and cost
+    (energy.job_run_energy of the counters recorded at the unit's start against gpu_facts now).
+
+    status and energy_start are the parsed files, or slurp results of them (None: no file).
+    Returns {"job", "state", "step", "steps_per_s", "straggler", "energy": {...}, "lines": [...]}.
+    """
+    if isinstance(status, Mapping) and "content" in status:
+        status = _slurped_json(status)
+    if isinstance(energy_start, Mapping) and "content" in energy_start:
+        energy_start = _slurped_json(energy_start)
+    unit = unit or {}
+    state = f"{unit.get('ActiveState', 'unknown')} ({unit.get('SubState', 'unknown')})"
+    if unit.get("LoadState") == "not-found":
+        state = "no unit"
+    lines = [f"job {job.get('name')}: unit {job.get('unit')} {state}, restarts {unit.get('NRestarts', '?')}"]
+    result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None, "straggler": ""}
+    if isinstance(status, Mapping):
+        result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"), straggler=status.get("straggler") or "")
+        age = now - float(status.get("time") or now)
+        lines.append(
+            f"step {status.get('step')}, {float(status.get('steps_per_s') or 0):.2f} steps/s "
+            f"(rank 0's status of {age:.0f} s ago)"
+        )
+        lines.append(result["straggler"] or "straggler: no report yet")
+    else:
+        lines.append("no status from rank 0 on this node (rank 0 writes it on the job's master)")
+    run = energy.job_run_energy(
+        energy_start,
+        (gpus_facts or {}).get("gpus") or [],
+        energy.DEFAULT_PRICE_PER_KWH if price is None else float(price),
+        energy.DEFAULT_CURRENCY if currency is None else str(currency),
+    )
+    result["energy"] = run
+    lines.append(run["line"])
+    result["lines"] = lines
+    return result
