@@ -37,6 +37,11 @@ DIRECTIVES = (
     "--rdzv-backend=c10d",
 )
 RESUMED = re.compile(r"^resumed from step (\d+) ")
+# Rank 0's report every straggler_every_steps (molecule.yml): a straggler, or the slowest below 15%.
+REPORT = re.compile(r"^(straggler: rank \d+ \((\S+) .*|step times: slowest rank \d+ \((\S+) .*)$")
+# node2's unit may use this much CPU in the straggler test: far below what its 2 ranks use, so
+# that they really compute slower (systemd's cpu quota, live, on this unit only).
+THROTTLE = "CPUQuota=2%"
 
 
 def sh(node: str, command: str, check: bool = True) -> str:
@@ -185,6 +190,40 @@ def test_checkpoints_appear_on_every_node():
         owner = sh(node, f"stat -c %U {CKPT_DIR}/step-{found[-1]:08d}.pt").strip()
         assert owner == "budgetgpu"
         assert sh(node, f"ls -a {CKPT_DIR}").count(".tmp") == 0
+
+
+def reports(lines: list[str]) -> list[tuple[str, str]]:
+    """(line, host named) of rank 0's straggler reports in lines."""
+    return [(m[0], m[2] or m[3]) for line in lines if (m := REPORT.match(line))]
+
+
+def test_a_throttled_node_is_named_the_straggler_and_the_status_shows_it():
+    slow = sh("cluster-node2", "hostname").strip()
+    before = len(journal("cluster-node1"))
+    started = time.monotonic()
+    sh("cluster-node2", f"systemctl set-property --runtime {UNIT} {THROTTLE}")
+    try:
+        # The first report after the quota may cover steps from before it: wait for two in a row.
+        def named_twice() -> list[tuple[str, str]]:
+            found = reports(journal("cluster-node1")[before:])
+            return found[-2:] if len(found) >= 2 and all(
+                line.startswith("straggler: ") and host == slow for line, host in found[-2:]
+            ) else []  # fmt: skip
+
+        latest = wait_for(f"rank 0 to name {slow} the straggler twice in a row", named_twice, timeout=150)
+        print(f"straggler: named after {time.monotonic() - started:.0f} s: {latest[-1][0]}")
+        out = playbook("-e", "job_state=status")
+        assert recap_changed(out) == {node: 0 for node in NODES}, out[-1500:]
+    finally:
+        sh("cluster-node2", f"systemctl set-property --runtime {UNIT} CPUQuota=")
+    shown = re.findall(r'"(straggler: rank \d+ \((\S+) [^"]*)"', out)
+    assert shown and all(host == slow for _line, host in shown), out[-3000:]
+    assert re.search(r'"step \d+, [\d.]+ steps/s \(rank 0\'s status of \d+ s ago\)"', out), out[-3000:]
+    assert '"job e2e: unit budgetgpu-job-e2e.service active (running), restarts ' in out
+    # The simulated GPUs' energy counters, recorded at the unit's start, against now: on both nodes.
+    assert out.count('"energy since the job started: ') == 2, out[-3000:]
+    status = json.loads(sh("cluster-node1", "cat /var/lib/budgetgpu/jobs/e2e/status.json"))
+    assert status["step"] > 0 and status["steps_per_s"] > 0 and status["world"] == 4
 
 
 def test_an_unchanged_rerun_changes_nothing_and_keeps_the_job_running():
