@@ -476,9 +476,11 @@ def torchrun_job_status(
     if unit.get("LoadState") == "not-found":
         state = "no unit"
     lines = [f"job {job.get('name')}: unit {job.get('unit')} {state}, restarts {unit.get('NRestarts', '?')}"]
-    result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None, "straggler": ""}
+    result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None}
+    result["straggler"] = ""
     if isinstance(status, Mapping):
-        result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"), straggler=status.get("straggler") or "")
+        result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"))
+        result["straggler"] = status.get("straggler") or ""
         age = now - float(status.get("time") or now)
         lines.append(
             f"step {status.get('step')}, {float(status.get('steps_per_s') or 0):.2f} steps/s "

@@ -73,7 +73,7 @@ def test_nothing_to_compare_gives_no_finding(times):
 
 
 def test_every_steps_comes_from_the_environment_and_defaults_to_the_job_models():
-    assert straggler.DEFAULT_EVERY_STEPS == JOB_DEFAULTS["straggler_every_steps"]
+    assert JOB_DEFAULTS["straggler_every_steps"] == straggler.DEFAULT_EVERY_STEPS
     assert straggler.every_steps_from_env({}) == JOB_DEFAULTS["straggler_every_steps"]
     assert straggler.every_steps_from_env({"BUDGETGPU_STRAGGLER_EVERY_STEPS": "20"}) == 20
     assert straggler.every_steps_from_env({"BUDGETGPU_STRAGGLER_EVERY_STEPS": "0"}) == 0
