@@ -35,19 +35,6 @@ def gpu_energy_summary(gpus_facts: Mapping[str, Any] | None, price: Any = None, 
     )
 
 
-def gpu_job_energy(
-    start: Mapping[str, Any] | None, gpus_facts: Mapping[str, Any] | None, price: Any = None, currency: Any = None
-) -> dict[str, Any]:
-    """Return a job run's energy on a node: energy.job_run_energy of the counters recorded at the
-    unit's start against the node's budgetgpu_gpus facts now (None: the guide's price and currency)."""
-    return energy.job_run_energy(
-        start,
-        (gpus_facts or {}).get("gpus") or [],
-        energy.DEFAULT_PRICE_PER_KWH if price is None else float(price),
-        energy.DEFAULT_CURRENCY if currency is None else str(currency),
-    )
-
-
 class FilterModule:
     """budgetgpu power and energy filters."""
 
@@ -55,5 +42,4 @@ class FilterModule:
         return {
             "gpu_power_problems": gpu_power_problems,
             "gpu_energy_summary": gpu_energy_summary,
-            "gpu_job_energy": gpu_job_energy,
         }
