@@ -39,4 +39,7 @@ class FilterModule:
     """budgetgpu power and energy filters."""
 
     def filters(self) -> dict[str, Any]:
-        return {"gpu_power_problems": gpu_power_problems, "gpu_energy_summary": gpu_energy_summary}
+        return {
+            "gpu_power_problems": gpu_power_problems,
+            "gpu_energy_summary": gpu_energy_summary,
+        }

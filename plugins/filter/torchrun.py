@@ -33,6 +33,7 @@ cluster_nodes = jobs.cluster_nodes
 systemd_quote = jobs.systemd_quote
 systemd_exec = jobs.systemd_exec
 systemd_show = jobs.systemd_show
+torchrun_job_status = jobs.torchrun_job_status
 
 
 class FilterModule:
@@ -40,6 +41,7 @@ class FilterModule:
 
     def filters(self) -> dict[str, Any]:
         return {
+            "torchrun_job_status": torchrun_job_status,
             "torchrun_job_normalize": torchrun_job_normalize,
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,

@@ -79,3 +79,47 @@ def energy_summary(
     if without:
         line += f" (no counter on GPU {', '.join(without)}: older than Volta)"
     return line
+
+
+def job_run_energy(
+    start: Mapping[str, Any] | None,
+    gpus_now: Iterable[Mapping[str, Any]],
+    price_per_kwh: float = DEFAULT_PRICE_PER_KWH,
+    currency: str = DEFAULT_CURRENCY,
+) -> dict[str, Any]:
+    """Return the energy a job run used on a node: each GPU's counter now (gpu_facts' gpus, with
+    uuid and energy_total_j) against the counters recorded when the job's unit started (start:
+    {"time": epoch s, "gpus": {uuid: joules}}, written by budgetgpu-job-energy).
+
+    All its GPUs, not the job's share: the node's GPUs are the job's while it runs. A GPU whose
+    counter went back (the driver reloaded since) or that has no counter is left out and named.
+    Returns {"kwh", "cost", "gpus" (counted), "line"}; kwh and cost are None without a start record.
+    """
+    recorded = (start or {}).get("gpus") if isinstance(start, Mapping) else None
+    if not isinstance(recorded, Mapping):
+        return {"kwh": None, "cost": None, "gpus": 0, "line": "energy: no counters recorded at the job's start"}
+    total_j, counted, skipped = 0.0, 0, []
+    for gpu in gpus_now:
+        uuid, now = gpu.get("uuid"), gpu.get("energy_total_j")
+        then = recorded.get(uuid)
+        if isinstance(now, bool) or not isinstance(now, int | float) or not isinstance(then, int | float) or now < then:
+            skipped.append(str(gpu.get("index", uuid)))
+            continue
+        total_j += now - then
+        counted += 1
+    if not counted:
+        return {
+            "kwh": None,
+            "cost": None,
+            "gpus": 0,
+            "line": "energy: no GPU with an energy counter since the job's start",
+        }
+    kwh = kwh_from_joules(total_j)
+    amount = cost(kwh, price_per_kwh)
+    line = (
+        f"energy since the job started: {kwh:.3f} kWh on {counted} GPU{'s' if counted != 1 else ''} = "
+        f"{format_money(amount, currency)} at {format_money(price_per_kwh, currency)}/kWh"
+    )
+    if skipped:
+        line += f" (not counted: GPU {', '.join(skipped)})"
+    return {"kwh": kwh, "cost": amount, "gpus": counted, "line": line}

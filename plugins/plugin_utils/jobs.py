@@ -19,15 +19,18 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     rendezvous: c10d                    # or static (--node-rank/--master-addr as in the guide)
     max_restarts: 3
     checkpoint_every_minutes: 15
+    straggler_every_steps: 200          # rank 0 names the slowest rank every N steps; 0: off
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -59,6 +62,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "checkpoint_dir": None,  # <workdir>/checkpoints
     "checkpoint_every_minutes": 15,
     "checkpoint_every_steps": 0,
+    # Every N steps the ranks' compute times are compared and rank 0 logs the slowest against the
+    # median (budgetgpu_straggler; BUDGETGPU_STRAGGLER_EVERY_STEPS); 0 turns it off.
+    "straggler_every_steps": 200,
     "environment": {},
     "user": "budgetgpu",
     "backend": "auto",
@@ -68,6 +74,10 @@ JOB_DEFAULTS: dict[str, Any] = {
 }
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
 STATE_ROOT = "/var/lib/budgetgpu/jobs"
+# In a job's state directory: rank 0's latest status (step, steps per second, straggler line) and
+# the GPUs' energy counters when the unit started (the unit's ExecStartPre writes it).
+STATUS_FILE = "status.json"
+ENERGY_START_FILE = "energy-start.json"
 ENV_DIR = "/etc/budgetgpu/jobs"
 
 
@@ -94,7 +104,14 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
     # Extra vars and some inventories give numbers as strings: take "29500" as 29500.
-    for key in ("port", "max_restarts", "rendezvous_timeout", "checkpoint_every_steps", "nproc_per_node"):
+    for key in (
+        "port",
+        "max_restarts",
+        "rendezvous_timeout",
+        "checkpoint_every_steps",
+        "straggler_every_steps",
+        "nproc_per_node",
+    ):
         value = merged.get(key)
         if isinstance(value, str) and value.strip().isdigit():
             merged[key] = int(value)
@@ -317,6 +334,9 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
         "BUDGETGPU_CHECKPOINT_DIR": str(job["checkpoint_dir"]),
         "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
         "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
+        "BUDGETGPU_STRAGGLER_EVERY_STEPS": str(job["straggler_every_steps"]),
+        # Rank 0 writes the job's status here; train.yml -e job_state=status reads it.
+        "BUDGETGPU_STATUS_FILE": f"{job['state_dir']}/{STATUS_FILE}",
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
         "PYTHONUNBUFFERED": "1",
     }
@@ -416,3 +436,66 @@ def systemd_show(output: str) -> dict[str, dict[str, str]]:
         if "Id" in props:
             units[props["Id"]] = props
     return units
+
+
+def _slurped_json(result: Mapping[str, Any] | None) -> Any:
+    """Return the JSON a slurp result holds; None for a missing or unreadable file."""
+    content = (result or {}).get("content")
+    if not content:
+        return None
+    try:
+        return json.loads(base64.b64decode(content).decode("utf-8"))
+    except ValueError:
+        return None
+
+
+def torchrun_job_status(
+    job: Mapping[str, Any],
+    unit: Mapping[str, str] | None,
+    status: Mapping[str, Any] | None,
+    energy_start: Mapping[str, Any] | None,
+    gpus_facts: Mapping[str, Any] | None,
+    now: float,
+    price: Any = None,
+    currency: Any = None,
+) -> dict[str, Any]:
+    """Return what train.yml -e job_state=status prints for one job on one node: its unit's state
+    (systemctl show: ActiveState, SubState, NRestarts), rank 0's status file (status.json: step,
+    steps_per_s, straggler, time; only rank 0's node has one), and the job run's energy and cost
+    (energy.job_run_energy of the counters recorded at the unit's start against gpu_facts now).
+
+    status and energy_start are the parsed files, or slurp results of them (None: no file).
+    Returns {"job", "state", "step", "steps_per_s", "straggler", "energy": {...}, "lines": [...]}.
+    """
+    if isinstance(status, Mapping) and "content" in status:
+        status = _slurped_json(status)
+    if isinstance(energy_start, Mapping) and "content" in energy_start:
+        energy_start = _slurped_json(energy_start)
+    unit = unit or {}
+    state = f"{unit.get('ActiveState', 'unknown')} ({unit.get('SubState', 'unknown')})"
+    if unit.get("LoadState") == "not-found":
+        state = "no unit"
+    lines = [f"job {job.get('name')}: unit {job.get('unit')} {state}, restarts {unit.get('NRestarts', '?')}"]
+    result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None}
+    result["straggler"] = ""
+    if isinstance(status, Mapping):
+        result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"))
+        result["straggler"] = status.get("straggler") or ""
+        age = now - float(status.get("time") or now)
+        lines.append(
+            f"step {status.get('step')}, {float(status.get('steps_per_s') or 0):.2f} steps/s "
+            f"(rank 0's status of {age:.0f} s ago)"
+        )
+        lines.append(result["straggler"] or "straggler: no report yet")
+    else:
+        lines.append("no status from rank 0 on this node (rank 0 writes it on the job's master)")
+    run = energy.job_run_energy(
+        energy_start,
+        (gpus_facts or {}).get("gpus") or [],
+        energy.DEFAULT_PRICE_PER_KWH if price is None else float(price),
+        energy.DEFAULT_CURRENCY if currency is None else str(currency),
+    )
+    result["energy"] = run
+    lines.append(run["line"])
+    result["lines"] = lines
+    return result

@@ -151,6 +151,9 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
         yield "checkpoint_every_minutes", minutes, "minutes, 0 (off) or more", ""
     if not _is_int(steps) or steps < 0:
         yield "checkpoint_every_steps", steps, "steps, 0 (off) or more", ""
+    straggler = job.get("straggler_every_steps")
+    if not _is_int(straggler) or straggler < 0:
+        yield "straggler_every_steps", straggler, "steps, 0 (off) or more", ""
 
 
 def _bad_environment(env: Any) -> Iterator[Bad]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -37,6 +38,11 @@ DIRECTIVES = (
     "--rdzv-backend=c10d",
 )
 RESUMED = re.compile(r"^resumed from step (\d+) ")
+# Rank 0's report every straggler_every_steps (molecule.yml): a straggler, or the slowest below 15%.
+REPORT = re.compile(r"^(straggler: rank \d+ \((\S+) .*|step times: slowest rank \d+ \((\S+) .*)$")
+# node2's ranks may use this much CPU in the straggler test (microseconds per 100 ms): far below what
+# they use, so that they really compute slower.
+THROTTLE_US = 2000
 
 
 def sh(node: str, command: str, check: bool = True) -> str:
@@ -185,6 +191,73 @@ def test_checkpoints_appear_on_every_node():
         owner = sh(node, f"stat -c %U {CKPT_DIR}/step-{found[-1]:08d}.pt").strip()
         assert owner == "budgetgpu"
         assert sh(node, f"ls -a {CKPT_DIR}").count(".tmp") == 0
+
+
+def reports(lines: list[str]) -> list[tuple[str, str]]:
+    """(line, host named) of rank 0's straggler reports in lines."""
+    return [(m[0], m[2] or m[3]) for line in lines if (m := REPORT.match(line))]
+
+
+# Quota ($1 microseconds per 100 ms, or "off") on the job's workers through a cpu cgroup of their own
+# under the container's (cgroup v1, cgroupns=host: /proc/PID/cgroup names the host's path).
+THROTTLE_V1 = r"""
+set -e
+pids=$(pgrep -u budgetgpu -f train_ddp.py)
+rel=$(awk -F: '$2 ~ /(^|,)cpu(,|$)/ {print $3}' /proc/$(echo $pids | cut -d' ' -f1)/cgroup)
+base=/sys/fs/cgroup/cpu${rel%/budgetgpu-straggler-test}
+group=$base/budgetgpu-straggler-test
+if [ "$1" = off ]; then
+    for p in $(cat "$group/cgroup.procs"); do echo $p > "$base/cgroup.procs"; done
+    rmdir "$group"
+else
+    mkdir -p "$group"
+    echo 100000 > "$group/cpu.cfs_period_us"
+    echo "$1" > "$group/cpu.cfs_quota_us"
+    for p in $pids; do echo $p > "$group/cgroup.procs"; done
+fi
+"""
+
+
+def throttle(node: str, quota_us: int | None) -> None:
+    """Put a CPU quota on the job's worker processes on node (None: lift it). The build machine's
+    cgroups are v1, where systemd in the container leaves the cpu controller to Docker and a unit's
+    CPUQuota= does nothing: the test makes a cpu cgroup for the workers. On v2 CPUQuota= does it."""
+    if sh(node, "test -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us && echo v1 || echo v2").strip() == "v2":
+        quota = f"CPUQuota={quota_us / 1000:g}%" if quota_us else "CPUQuota="
+        sh(node, f"systemctl set-property --runtime {UNIT} {quota}")
+        return
+    sh(node, f"bash -c {shlex.quote(THROTTLE_V1)} throttle {quota_us or 'off'}")
+
+
+def test_a_throttled_node_is_named_the_straggler_and_the_status_shows_it():
+    slow = sh("cluster-node2", "hostname").strip()
+    before = len(journal("cluster-node1"))
+    started = time.monotonic()
+    throttle("cluster-node2", THROTTLE_US)
+    try:
+        # The first report after the quota may cover steps from before it: wait for two in a row.
+        def named_twice() -> list[tuple[str, str]]:
+            found = reports(journal("cluster-node1")[before:])
+            return found[-2:] if len(found) >= 2 and all(
+                line.startswith("straggler: ") and host == slow for line, host in found[-2:]
+            ) else []  # fmt: skip
+
+        latest = wait_for(f"rank 0 to name {slow} the straggler twice in a row", named_twice, timeout=150)
+        print(f"straggler: named after {time.monotonic() - started:.0f} s: {latest[-1][0]}")
+        out = playbook("-e", "job_state=status")
+        print(f"straggler: named and the status printed after {time.monotonic() - started:.0f} s")
+        assert recap_changed(out) == {node: 0 for node in NODES}, out[-1500:]
+    finally:
+        throttle("cluster-node2", None)
+    # Whatever the callback (YAML or JSON), each printed line starts as written.
+    shown = re.findall(r"straggler: rank \d+ \((\S+) ", out)
+    assert shown and all(host == slow for host in shown), out[-3000:]
+    assert re.search(r"step \d+, [\d.]+ steps/s \(rank 0's status of \d+ s ago\)", out), out[-3000:]
+    assert re.search(r"job e2e: unit budgetgpu-job-e2e\.service active \(running\)", out), out[-3000:]
+    # The simulated GPUs' energy counters, recorded at the unit's start, against now: on both nodes.
+    assert out.count("energy since the job started: ") == 2, out[-3000:]
+    status = json.loads(sh("cluster-node1", "cat /var/lib/budgetgpu/jobs/e2e/status.json"))
+    assert status["step"] > 0 and status["steps_per_s"] > 0 and status["world"] == 4
 
 
 def test_an_unchanged_rerun_changes_nothing_and_keeps_the_job_running():

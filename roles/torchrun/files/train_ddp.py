@@ -18,14 +18,22 @@ lines are `key=value`, for people and tests:
     resumed from step 120 (checkpoint /var/lib/budgetgpu/jobs/demo/checkpoints/step-00000120.pt)
     step=130 loss=0.4312 world=4 restarts=1 steps_per_s=9.8
     checkpoint step=140 path=/var/lib/budgetgpu/jobs/demo/checkpoints/step-00000140.pt
+    straggler: rank 5 (node2 GPU 1): 31% slower than the median over the last 200 steps
+
+Each rank times its forward and backward apart from the gradient all-reduce (budgetgpu_straggler,
+installed beside this script); every N steps rank 0 names the slowest rank against the median, and
+writes the job's status (step, steps per second, the latest straggler line) to a JSON file that
+`playbooks/train.yml -e job_state=status` reads.
 
 Defaults come from the environment the unit sets: BUDGETGPU_CHECKPOINT_DIR,
-BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND.
+BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND,
+BUDGETGPU_STRAGGLER_EVERY_STEPS, BUDGETGPU_STATUS_FILE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import io
 import os
@@ -40,6 +48,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Installed beside this script (the script's directory is the first entry of sys.path).
+from budgetgpu_straggler import StepTimer, all_reduce_gradients, every_steps_from_env, write_status
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,9 +92,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--backend", choices=("auto", "nccl", "gloo"), default=env.get("BUDGETGPU_DIST_BACKEND", "auto")
     )
+    parser.add_argument(
+        "--straggler-every-steps",
+        type=int,
+        default=every_steps_from_env(env),
+        help="rank 0 compares the ranks' compute times every N steps; 0 turns it off",
+    )
+    parser.add_argument(
+        "--status-file",
+        default=env.get("BUDGETGPU_STATUS_FILE", ""),
+        help="rank 0 writes the job's status (JSON) here at every log line; empty: none",
+    )
     args = parser.parse_args(argv)
-    if args.max_steps < 0 or args.log_every < 1 or args.keep_checkpoints < 1:
-        parser.error("--max-steps must be >= 0, --log-every and --keep-checkpoints >= 1")
+    if args.max_steps < 0 or args.log_every < 1 or args.keep_checkpoints < 1 or args.straggler_every_steps < 0:
+        parser.error("--max-steps and --straggler-every-steps must be >= 0, --log-every and --keep-checkpoints >= 1")
     return args
 
 
@@ -314,6 +336,55 @@ def leave(ctx: Dist, stop: StopRequest, step: int) -> int:
     return 0
 
 
+@dataclass
+class Progress:
+    """Rank 0's step lines and the job's status file (for `train.yml -e job_state=status`)."""
+
+    ctx: Dist
+    start_step: int
+    started: float
+    status_file: str
+    straggler: str = ""
+
+    def report(self, step: int, loss: torch.Tensor, logged: bool) -> None:
+        ctx = self.ctx
+        rate = (step - self.start_step) / max(time.monotonic() - self.started, 1e-9)
+        if logged:
+            log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
+        if self.status_file:
+            status = {"step": step, "steps_per_s": round(rate, 3), "straggler": self.straggler, "world": ctx.world}
+            try:
+                write_status(self.status_file, {**status, "restarts": ctx.restarts})
+            except OSError as err:
+                log(f"warning: cannot write the status file {self.status_file}: {err}")
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def train_step(
+    ddp: nn.Module,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    ctx: Dist,
+    timer: StepTimer,
+    clip: float,
+) -> torch.Tensor:
+    """One optimizer step; return the loss. Forward and backward run without DDP's all-reduce
+    (no_sync), timed as this rank's compute; the gradients are then averaged in one explicit
+    all-reduce, where a fast rank waits for a slow one."""
+    inputs, labels = batch
+    optimizer.zero_grad(set_to_none=True)
+    with ddp.no_sync() if ctx.enabled else contextlib.nullcontext(), timer.compute():
+        loss = nn.functional.cross_entropy(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
+        loss.backward()
+    all_reduce_gradients(model, ctx.world)
+    nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    return loss
+
+
 def train(args: argparse.Namespace) -> int:
     ctx = setup(args.backend)
     stop = StopRequest()
@@ -327,9 +398,9 @@ def train(args: argparse.Namespace) -> int:
     ddp: nn.Module = model
     if ctx.enabled:
         ddp = DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
-    loss_fn = nn.CrossEntropyLoss()
     policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
-    start_step, started = step, time.monotonic()
+    progress = Progress(ctx, step, time.monotonic(), args.status_file)
+    timer = StepTimer(ctx.rank, ctx.world, ctx.device, args.straggler_every_steps, local_rank=ctx.local_rank)
 
     def checkpoint(reason: str = "") -> None:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -339,16 +410,15 @@ def train(args: argparse.Namespace) -> int:
     if ctx.rank == 0:
         log(f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps}")
     while step < args.max_steps and not stop.agreed(ctx):
-        inputs, labels = synthetic_batch(args.seed, step + 1, ctx.rank, args.batch_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
+        batch = synthetic_batch(args.seed, step + 1, ctx.rank, args.batch_size)
+        loss = train_step(ddp, model, optimizer, batch, ctx, timer, args.clip)
         step += 1
-        if ctx.rank == 0 and step % args.log_every == 0:
-            rate = (step - start_step) / max(time.monotonic() - started, 1e-9)
-            log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
+        line = timer.step_done()
+        if line:
+            progress.straggler = line
+            log(line)
+        if ctx.rank == 0 and (step % args.log_every == 0 or line):
+            progress.report(step, loss, step % args.log_every == 0)
         now = time.monotonic()
         if writer and policy.due(step, now):
             checkpoint()

@@ -332,6 +332,7 @@ def test_a_downgraded_link_is_a_warning_that_names_the_gpu_and_what_to_check():
         ("max_restarts", -1),
         ("checkpoint_every_minutes", -5),
         ("checkpoint_every_steps", 1.5),
+        ("straggler_every_steps", -1),
         ("venv", "relative/venv"),
         ("workdir", "tmp"),
         ("environment", {"BAD-NAME": "1"}),

@@ -60,3 +60,41 @@ def test_summary_adds_the_gpus_with_a_counter_and_names_the_others():
     assert energy.energy_summary([{"index": 0, "energy_total_j": "unsupported"}]) == (
         "energy: no GPU with an energy counter"
     )
+
+
+START = {"time": 1000.0, "gpus": {"GPU-a": 1_000_000.0, "GPU-b": 2_000_000.0, "GPU-old": 9_000_000.0}}
+
+
+def test_a_job_run_counts_each_gpus_counter_since_the_start():
+    now = [
+        {"index": 0, "uuid": "GPU-a", "energy_total_j": 1_000_000.0 + 3_600_000},  # 1 kWh
+        {"index": 1, "uuid": "GPU-b", "energy_total_j": 2_000_000.0 + 1_800_000},  # 0.5 kWh
+    ]
+    run = energy.job_run_energy(START, now, 0.12, "$")
+    assert run["kwh"] == pytest.approx(1.5)
+    assert run["cost"] == pytest.approx(0.18)
+    assert run["gpus"] == 2
+    assert run["line"] == "energy since the job started: 1.500 kWh on 2 GPUs = $0.18 at $0.12/kWh"
+
+
+def test_a_job_run_leaves_out_a_gpu_without_counter_or_whose_counter_went_back():
+    now = [
+        {"index": 0, "uuid": "GPU-a", "energy_total_j": 1_000_000.0 + 360_000},
+        {"index": 1, "uuid": "GPU-old", "energy_total_j": 5.0},  # the driver reloaded since the start
+        {"index": 2, "uuid": "GPU-new", "energy_total_j": 7.0},  # not recorded at the start
+        {"index": 3, "uuid": "GPU-b", "energy_total_j": "N/A"},
+    ]
+    run = energy.job_run_energy(START, now, 0.30, "EUR")
+    assert run["kwh"] == pytest.approx(0.1) and run["gpus"] == 1
+    assert run["line"].endswith("= 0.03 EUR at 0.30 EUR/kWh (not counted: GPU 1, 2, 3)")
+
+
+@pytest.mark.parametrize("start", [None, {}, {"gpus": "x"}, "text"])
+def test_a_job_run_without_a_start_record_says_so(start):
+    run = energy.job_run_energy(start, [{"uuid": "GPU-a", "energy_total_j": 5.0}])
+    assert run == {"kwh": None, "cost": None, "gpus": 0, "line": "energy: no counters recorded at the job's start"}
+
+
+def test_a_job_run_on_gpus_without_counters_says_so():
+    run = energy.job_run_energy({"gpus": {}}, [{"uuid": "GPU-a", "energy_total_j": None}])
+    assert run["kwh"] is None and run["line"] == "energy: no GPU with an energy counter since the job's start"

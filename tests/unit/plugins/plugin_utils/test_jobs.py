@@ -59,3 +59,43 @@ def test_unit_hardening_is_one_list_for_jobs_and_workers():
     assert "ProtectSystem" not in no_sandbox and "PrivateDevices" not in no_sandbox
     full = unit_hardening(True, {"ProtectHome": "read-only"})
     assert full["ProtectSystem"] == "strict" and full["ProtectHome"] == "read-only"
+
+
+def _slurp(data: object) -> dict:
+    import base64
+    import json
+
+    return {"content": base64.b64encode(json.dumps(data).encode()).decode(), "encoding": "base64"}
+
+
+def test_job_status_on_rank_0s_node_shows_step_rate_straggler_and_energy():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_job_status
+
+    job = torchrun_jobs_normalize([{"name": "e2e", "script": "/srv/t.py"}])[0]
+    unit = {"Id": job["unit"], "LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "1"}
+    line = "straggler: rank 2 (node2 CPU process 0): 40% slower than the median over the last 20 steps"
+    status = _slurp({"step": 240, "steps_per_s": 5.8, "straggler": line, "time": 990.0})
+    start = _slurp({"time": 900.0, "gpus": {"GPU-a": 100.0, "GPU-b": 100.0}})
+    gpus = {"gpus": [{"index": 0, "uuid": "GPU-a", "energy_total_j": 3_600_100.0},
+                     {"index": 1, "uuid": "GPU-b", "energy_total_j": 3_600_100.0}]}  # fmt: skip
+    result = torchrun_job_status(job, unit, status, start, gpus, now=1000.0, price=0.12, currency="$")
+    assert (result["step"], result["steps_per_s"], result["straggler"]) == (240, 5.8, line)
+    assert result["energy"]["kwh"] == pytest.approx(2.0)
+    assert result["lines"] == [
+        "job e2e: unit budgetgpu-job-e2e.service active (running), restarts 1",
+        "step 240, 5.80 steps/s (rank 0's status of 10 s ago)",
+        line,
+        "energy since the job started: 2.000 kWh on 2 GPUs = $0.24 at $0.12/kWh",
+    ]
+
+
+def test_job_status_elsewhere_says_where_rank_0_is_and_survives_missing_files():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_job_status
+
+    job = torchrun_jobs_normalize([{"name": "e2e", "script": "/srv/t.py"}])[0]
+    result = torchrun_job_status(job, {"LoadState": "not-found"}, None, {"content": "bm90IGpzb24="}, None, now=5.0)
+    assert result["state"] == "no unit" and result["step"] is None
+    assert result["lines"][1:] == [
+        "no status from rank 0 on this node (rank 0 writes it on the job's master)",
+        "energy: no counters recorded at the job's start",
+    ]

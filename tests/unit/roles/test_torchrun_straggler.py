@@ -1,0 +1,98 @@
+"""budgetgpu_straggler (roles/torchrun/files, shipped beside the example trainer): the median, the
+slowest rank against it, the line rank 0 logs, the status file, and the defaults kept equal to
+the job model's. The torch part (StepTimer, all_reduce_gradients) runs in the cluster scenario."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS
+
+PATH = Path(__file__).resolve().parents[3] / "roles/torchrun/files/budgetgpu_straggler.py"
+SPEC = importlib.util.spec_from_file_location("budgetgpu_straggler", PATH)
+straggler = importlib.util.module_from_spec(SPEC)
+sys.modules["budgetgpu_straggler"] = straggler
+SPEC.loader.exec_module(straggler)
+RankTime = straggler.RankTime
+
+
+def ranks(*seconds: float, hosts: tuple[str, ...] = ("node1", "node2"), per_node: int = 4) -> list:
+    return [RankTime(i, hosts[i // per_node], i % per_node, s) for i, s in enumerate(seconds)]
+
+
+def test_median_of_odd_and_even_counts():
+    assert straggler.median([3.0, 1.0, 2.0]) == 2.0
+    assert straggler.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    with pytest.raises(ValueError, match="no values"):
+        straggler.median([])
+
+
+def test_the_slowest_rank_is_named_with_its_node_and_gpu():
+    # 8 ranks on 2 nodes; rank 5 (node2 GPU 1) computes 31% longer than the others.
+    found = straggler.slowest_against_median(ranks(10, 10, 10, 10, 10, 13.1, 10, 10), steps=200)
+    assert found.slowest.rank == 5 and found.straggler
+    assert found.ratio == pytest.approx(0.31)
+    assert found.line == "straggler: rank 5 (node2 GPU 1): 31% slower than the median over the last 200 steps"
+
+
+def test_below_the_threshold_the_slowest_is_reported_but_no_straggler():
+    found = straggler.slowest_against_median(ranks(10, 10.4, 10, 10), steps=50)
+    assert not found.straggler and found.slowest.rank == 1
+    assert found.line == (
+        "step times: slowest rank 1 (node1 GPU 1) 4% slower than the median over the last 50 steps (straggler from 15%)"
+    )
+
+
+def test_the_threshold_is_15_percent_and_inclusive():
+    assert straggler.STRAGGLER_THRESHOLD == 0.15
+    assert straggler.slowest_against_median(ranks(1.0, 1.0, 1.0, 1.15), steps=1).straggler
+    assert not straggler.slowest_against_median(ranks(1.0, 1.0, 1.0, 1.14), steps=1).straggler
+    assert not straggler.slowest_against_median(ranks(1.0, 1.0, 1.0, 1.15), steps=1, threshold=0.2).straggler
+
+
+def test_a_slow_node_against_the_median_of_two_nodes():
+    # The cluster scenario: 2 nodes x 2 ranks, node2 throttled; the median is between the two nodes.
+    found = straggler.slowest_against_median(ranks(1.0, 1.1, 3.0, 2.9, per_node=2), steps=20)
+    assert found.slowest.rank == 2 and found.slowest.host == "node2"
+    assert found.median_s == pytest.approx(2.0) and found.ratio == pytest.approx(0.5)
+
+
+def test_cpu_ranks_are_called_processes_and_ties_name_the_lowest_rank():
+    times = [RankTime(0, "a", 0, 2.0, "cpu"), RankTime(1, "b", 0, 2.0, "cpu"), RankTime(2, "b", 1, 1.0, "cpu")]
+    found = straggler.slowest_against_median(times, steps=10)
+    assert found.slowest.rank == 0 and "(a CPU process 0)" in found.line
+
+
+@pytest.mark.parametrize("times", [[], [RankTime(0, "a", 0, 5.0)], ranks(0.0, 0.0, 0.0)])
+def test_nothing_to_compare_gives_no_finding(times):
+    assert straggler.slowest_against_median(times, steps=10) is None
+
+
+def test_every_steps_comes_from_the_environment_and_defaults_to_the_job_models():
+    assert JOB_DEFAULTS["straggler_every_steps"] == straggler.DEFAULT_EVERY_STEPS
+    assert straggler.every_steps_from_env({}) == JOB_DEFAULTS["straggler_every_steps"]
+    assert straggler.every_steps_from_env({"BUDGETGPU_STRAGGLER_EVERY_STEPS": "20"}) == 20
+    assert straggler.every_steps_from_env({"BUDGETGPU_STRAGGLER_EVERY_STEPS": "0"}) == 0
+    with pytest.raises(ValueError, match="BUDGETGPU_STRAGGLER_EVERY_STEPS=-3"):
+        straggler.every_steps_from_env({"BUDGETGPU_STRAGGLER_EVERY_STEPS": "-3"})
+
+
+def test_the_status_file_is_replaced_whole(tmp_path):
+    path = tmp_path / "status.json"
+    straggler.write_status(str(path), {"step": 10, "steps_per_s": 2.5, "straggler": ""})
+    straggler.write_status(str(path), {"step": 20, "steps_per_s": 2.5, "straggler": "straggler: rank 1 (x GPU 1): ..."})
+    status = json.loads(path.read_text())
+    assert status["step"] == 20 and status["straggler"].startswith("straggler: rank 1") and status["time"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]
+
+
+def test_the_step_timer_reports_only_every_n_steps_and_never_alone():
+    timer = straggler.StepTimer(rank=0, world=1, device="cpu", every=2, local_rank=0)
+    with timer.compute():
+        pass
+    assert timer.window_s >= 0
+    assert [timer.step_done() for _step in range(4)] == [None] * 4  # one rank: nothing to compare
