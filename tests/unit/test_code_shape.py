@@ -65,3 +65,7 @@ def test_ansible_doc_shows_every_filter() -> None:
     docs = json.loads(out.stdout)
     undocumented = [n for n in names if not (docs.get(n) or {}).get("doc", {}).get("short_description")]
     assert not undocumented, f"ansible-doc has no short_description for: {', '.join(undocumented)}"
+    # A description line like "- Pure: C(x)" is a mapping to YAML: --json shows it, the text page
+    # (and ansible-test sanity's ansible-doc test) fails on it.
+    not_text = [n for n in names if not all(isinstance(line, str) for line in docs[n]["doc"].get("description", []))]
+    assert not not_text, f"description lines that are not strings (quote them) in: {', '.join(not_text)}"
