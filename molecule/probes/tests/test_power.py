@@ -128,9 +128,11 @@ def test_preflight_refuses_a_cap_out_of_the_cards_range_and_changes_nothing(host
     config = host.file("/etc/budgetgpu/gpu-power.json").content_string
     done = playbook("preflight.yml", "--limit", "probes-h200", "-e", '{"gpu_power_limit_watts": {"all": 800}}')
     assert done.returncode != 0
+    # A failed task's message goes to stderr: read both streams, as words.
+    words = " ".join((done.stdout + done.stderr).replace("\\n", " ").split())
     assert (
         f"FAIL probes-h200: gpu_power_limit_watts['all']: GPU 0 ({H200_UUID}, 0000:00:06.0, NVIDIA H200): 800 W is "
-        "outside the card's range 200-700 W" in done.stdout
-    ), done.stdout[-3000:]
+        "outside the card's range 200-700 W" in words
+    ), done.stdout[-2000:] + done.stderr[-2000:]
     assert limits(host) == CAPS["probes-h200"]
     assert host.file("/etc/budgetgpu/gpu-power.json").content_string == config
