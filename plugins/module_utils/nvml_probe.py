@@ -366,10 +366,16 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
     gpu = {
         "index": index,
         "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
+        # The metrics' modelName label (gpu_metrics); the watch's decisions do not read it.
+        "name": _convert(get("name", "nvmlDeviceGetName", handle), _text),
         "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
         "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
         "fans": _fans(reader, handle),
         "power_draw_w": round(power / 1000, 2) if _known(power) else power,
+        "power_limit_w": _watts(get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)),
+        "energy_total_j": _convert(
+            get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle), lambda mj: round(mj / 1000, 3)
+        ),
         "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
         "throttle_reasons": _throttle_mask(reader, handle),
         "ecc_double_bit_volatile": get(

@@ -181,3 +181,23 @@ def test_the_launcher_starts_as_before_when_it_cannot_read_the_state(tmp_path, c
     }
     assert launcher.gpu_health_argv(["--nproc-per-node=4", "train.py"], env) == ["--nproc-per-node=4", "train.py"]
     assert "cannot read the GPU health state" in capsys.readouterr().out
+
+
+def test_a_pass_writes_the_metrics_file_atomically_with_the_dead_fan(watch, tmp_path):
+    script, config, inject = watch
+    config["metrics_file"] = str(tmp_path / "gpu.prom")
+    script.run_pass(config, "t0")
+    text = (tmp_path / "gpu.prom").read_text()
+    assert text.count("DCGM_FI_DEV_GPU_TEMP{") == 4 and 'modelName="NVIDIA GeForce RTX 3090"' in text
+    assert 'budgetgpu_gpu_quarantined{gpu="1"' in text and "kind=" not in text
+    assert not (tmp_path / "gpu.prom.tmp").exists()
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88})
+    with open(config["kernel_log"], "a") as log:
+        log.write(XID_79)
+    script.run_pass(config, "t1")
+    text = (tmp_path / "gpu.prom").read_text()
+    labels = (
+        f'gpu="2",UUID="{GPUS[2]}",pci_bus_id="00000000:03:00.0",modelName="NVIDIA GeForce RTX 3090",Hostname="node1"'
+    )
+    assert f'budgetgpu_gpu_health_finding{{{labels},kind="dead_fan"}} 1' in text
+    assert f"DCGM_FI_DEV_XID_ERRORS{{{labels}}} 79" in text and f"budgetgpu_gpu_xid_errors_total{{{labels}}} 1" in text

@@ -1,0 +1,130 @@
+"""Metrics for real: node exporter on every node (the health watch's GPU metrics in its textfile
+directory, the budgetgpu units through its systemd collector), Debian's Prometheus on probes-nvml
+scraping them, its HTTP API asked for every simulated GPU, a dead fan injected beneath the watch and
+its alert seen firing; the promtool tests of the alerting rules run with the node's own promtool."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import testinfra.utils.ansible_runner
+
+RUNNER = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLECULE_INVENTORY_FILE"])
+testinfra_hosts = RUNNER.get_hosts("prometheus")
+
+REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY", "."))
+GPUS_3090 = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
+H200 = "GPU-0f7beba8-d2ad-9855-c2eb-a600187383a0"
+FAULTS = "/etc/budgetgpu-sim/faults.json"
+WATCH = "systemctl start budgetgpu-gpu-health.service"
+# Ask Prometheus' HTTP API on its own host (the API is not published outside the scenario's network).
+GET = (
+    "import sys, urllib.request; "
+    "print(urllib.request.urlopen('http://localhost:9090/api/v1/' + sys.argv[1], timeout=10).read().decode())"
+)
+
+
+def api(host, path: str) -> dict:
+    answer = json.loads(host.check_output(f"python3 -c {shlex.quote(GET)} {shlex.quote(path)}"))
+    assert answer["status"] == "success", answer
+    return answer["data"]
+
+
+def query(host, promql: str) -> list[dict]:
+    from urllib.parse import quote
+
+    return api(host, "query?query=" + quote(promql))["result"]
+
+
+def wait_for(what, ready, timeout: float = 60):
+    """Return what() once ready(it), polling each second; fail with the last answer after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = what()
+        if ready(got) or time.monotonic() > deadline:
+            assert ready(got), got
+            return got
+        time.sleep(1)
+
+
+def alerts(host, name: str) -> list[dict]:
+    return [alert for alert in api(host, "alerts")["alerts"] if alert["labels"]["alertname"] == name]
+
+
+def test_prometheus_scrapes_every_node_and_the_gpu_metrics_of_every_simulated_gpu(host):
+    # Debian's own config scraped localhost:9100 until the role's replaced it: that series stays for
+    # Prometheus' 5 minutes of lookback (a restart writes no staleness marker); the role's are named.
+    nodes = {"probes-3090", "probes-h200", "probes-nvml"}
+    wait_for(lambda: query(host, 'up{job="node",instance=~"probes-.+"} == 1'), lambda got: len(got) == 3)
+    temps = wait_for(lambda: query(host, "DCGM_FI_DEV_GPU_TEMP"), lambda got: len(got) == 5)
+    assert {(s["metric"]["instance"], s["metric"]["UUID"]) for s in temps} == {
+        *(("probes-3090", uuid) for uuid in GPUS_3090),
+        ("probes-h200", H200),
+    }
+    models = {s["metric"]["UUID"]: s["metric"]["modelName"] for s in temps}
+    assert models[H200] == "NVIDIA H200" and models[GPUS_3090[0]] == "NVIDIA GeForce RTX 3090"
+    # The caps of role gpu_power, as NVML reports them to the watch.
+    caps = {s["metric"]["UUID"]: float(s["value"][1]) for s in query(host, "DCGM_FI_DEV_POWER_MGMT_LIMIT")}
+    assert caps == {GPUS_3090[0]: 280, GPUS_3090[1]: 280, GPUS_3090[2]: 280, GPUS_3090[3]: 250, H200: 500}
+    # The riser card trained at x1 at boot and still is: no alert for it, and the expectation is exported.
+    widths = query(host, 'budgetgpu_gpu_pcie_link_width_expected{instance="probes-3090"}')
+    assert sorted(int(s["value"][1]) for s in widths) == [1, 4, 4, 16]
+    # node exporter's systemd collector sees the budgetgpu units.
+    timer = query(host, 'node_systemd_unit_state{name="budgetgpu-gpu-health.timer",state="active"} == 1')
+    assert {s["metric"]["instance"] for s in timer} == nodes - {"probes-nvml"}
+
+
+def test_node_exporter_answers_prometheus_only(host):
+    targets = {t["labels"]["instance"]: t["scrapeUrl"] for t in api(host, "targets")["activeTargets"]}
+    h200 = targets["probes-h200"].split("//")[1].split("/")[0]
+    code = (
+        "import socket, sys; s = socket.socket(); s.settimeout(5)\n"
+        "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
+        "except ConnectionRefusedError:\n print('refused')"
+    )
+    probe = f"python3 -c {shlex.quote(code)} {shlex.quote(h200.rsplit(':', 1)[0])} {h200.rsplit(':', 1)[1]}"
+    assert host.check_output(probe) == "open"  # from Prometheus' host
+    assert RUNNER.get_host("probes-3090").check_output(probe) == "refused"  # from another node
+
+
+def test_a_dead_fan_fires_its_alert_and_a_healthy_fan_does_not(host):
+    node = RUNNER.get_host("probes-3090")
+    node.check_output(f"echo '{{}}' > {FAULTS} && {WATCH}")
+    wait_for(lambda: alerts(host, "BudgetgpuGpuFanDead"), lambda got: got == [])
+    fault = {GPUS_3090[0]: {"fans": [{"speed": 0, "target": 80}], "temp": 88}}
+    node.check_output(f"echo {shlex.quote(json.dumps(fault))} > {FAULTS} && {WATCH}")
+    try:
+        firing = wait_for(
+            lambda: alerts(host, "BudgetgpuGpuFanDead"), lambda got: [a["state"] for a in got] == ["firing"]
+        )
+        labels = firing[0]["labels"]
+        assert (labels["UUID"], labels["instance"], labels["severity"]) == (GPUS_3090[0], "probes-3090", "critical")
+        assert firing[0]["annotations"]["summary"].startswith("probes-3090: GPU 0 (GPU-30900000-")
+        # The watch took the GPU out: the quarantine alert names it, beside the GPU the inventory lists.
+        out = wait_for(lambda: alerts(host, "BudgetgpuGpuQuarantined"), lambda got: len(got) == 2)
+        assert {a["labels"]["UUID"] for a in out} == {GPUS_3090[0], GPUS_3090[1]}
+    finally:
+        node.check_output(f"echo '{{}}' > {FAULTS} && {WATCH} && gpu-health release {GPUS_3090[0]}")
+        node.check_output(WATCH)
+
+
+def test_the_rules_pass_their_promtool_tests_with_the_nodes_promtool(host):
+    sys.path.insert(0, str(REPO / ".collections"))
+    from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_prometheus_rules import render_rules
+
+    host.check_output("mkdir -p /tmp/budgetgpu-rules")
+    for name, text in (
+        ("budgetgpu.rules.yml", render_rules()),
+        ("rules_test.yml", (REPO / "tests" / "prometheus" / "rules_test.yml").read_text()),
+    ):
+        host.check_output(f"printf %s {shlex.quote(text)} > /tmp/budgetgpu-rules/{name}")
+    done = host.run("cd /tmp/budgetgpu-rules && promtool test rules rules_test.yml")
+    assert done.rc == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+    # The file the role installed passes promtool's check (it was validated before it landed).
+    assert host.run("promtool check rules /etc/prometheus/budgetgpu.rules.yml").rc == 0

@@ -1,0 +1,15 @@
+"""Filters of the metrics (roles node_exporter and prometheus): thin wrappers of
+plugins/plugin_utils/monitoring.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import scrape_targets, scraper_addresses
+
+
+class FilterModule:
+    """budgetgpu monitoring filters."""
+
+    def filters(self) -> dict[str, Any]:
+        return {"monitoring_scrape_targets": scrape_targets, "monitoring_scraper_addresses": scraper_addresses}
