@@ -230,4 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written by now. gloo's threads can still abort a finished rank while the
+    # interpreter tears down ("terminate called without an active exception", seen under load):
+    # skip that teardown, so the exit status is this rank's result.
+    os._exit(code)
