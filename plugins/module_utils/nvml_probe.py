@@ -240,6 +240,10 @@ def _watts(milliwatts: Any) -> Any:
     return round(milliwatts / 1000, 2) if _known(milliwatts) else milliwatts
 
 
+def _joules(millijoules: Any) -> Any:
+    return round(millijoules / 1000, 3) if _known(millijoules) else millijoules
+
+
 def power_fields(reader: _Reader, handle: Any) -> dict[str, Any]:
     """Return draw, enforced limit, the limit's constraints and default (W), and the energy counter (J)."""
     get = reader.get
@@ -254,7 +258,7 @@ def power_fields(reader: _Reader, handle: Any) -> dict[str, Any]:
         "power_limit_default_w": _watts(default),
         "power_limit_min_w": low,
         "power_limit_max_w": high,
-        "energy_total_j": round(energy / 1000, 3) if _known(energy) else energy,
+        "energy_total_j": _joules(energy),
     }
 
 
@@ -362,7 +366,7 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
     if not _known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
-    power, pci = get("power_draw_w", "nvmlDeviceGetPowerUsage", handle), get("bus_id", "nvmlDeviceGetPciInfo", handle)
+    pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
     gpu = {
         "index": index,
         "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
@@ -371,11 +375,9 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
         "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
         "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
         "fans": _fans(reader, handle),
-        "power_draw_w": round(power / 1000, 2) if _known(power) else power,
+        "power_draw_w": _watts(get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)),
         "power_limit_w": _watts(get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)),
-        "energy_total_j": _convert(
-            get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle), lambda mj: round(mj / 1000, 3)
-        ),
+        "energy_total_j": _joules(get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle)),
         "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
         "throttle_reasons": _throttle_mask(reader, handle),
         "ecc_double_bit_volatile": get(
