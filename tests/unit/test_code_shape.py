@@ -69,3 +69,27 @@ def test_ansible_doc_shows_every_filter() -> None:
     # (and ansible-test sanity's ansible-doc test) fails on it.
     not_text = [n for n in names if not all(isinstance(line, str) for line in docs[n]["doc"].get("description", []))]
     assert not not_text, f"description lines that are not strings (quote them) in: {', '.join(not_text)}"
+
+
+def _tasks(node: object) -> list[dict]:
+    """Every task mapping in a task file's YAML, blocks' own tasks included."""
+    if isinstance(node, list):
+        return [task for item in node for task in _tasks(item)]
+    if not isinstance(node, dict):
+        return []
+    inner = [task for key in ("block", "rescue", "always") for task in _tasks(node.get(key, []))]
+    return [node, *inner]
+
+
+def test_a_task_delegated_to_the_control_node_does_not_become_root_there() -> None:
+    """The plays run with become: a task delegated to localhost would run sudo on the control node
+    (a password prompt, or root on the user's laptop) unless it says become: false."""
+    import yaml
+
+    missing = [
+        f"{path.relative_to(ROOT)}: {task.get('name')}"
+        for path in sorted((ROOT / "roles").glob("*/tasks/*.yml"))
+        for task in _tasks(yaml.safe_load(path.read_text()))
+        if task.get("delegate_to") in ("localhost", "127.0.0.1") and task.get("become") is not False
+    ]
+    assert not missing, missing
