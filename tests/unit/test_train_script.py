@@ -23,9 +23,14 @@ def train():
     spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_ddp"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("train_ddp", None)
+    # The unit's PYTHONPATH puts the script's directory first: it imports budgetgpu_straggler from there.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+        sys.modules.pop("train_ddp", None)
 
 
 @pytest.fixture(autouse=True)
