@@ -54,6 +54,8 @@ class Series:
     labels: dict[str, str]
     times: list[float]
     values: list[float]
+    # The panel's second and later queries are references (the limit, the target, the width at boot): dashed.
+    reference: bool = False
 
 
 @dataclass
@@ -169,23 +171,23 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
     )
 
 
-def _series(result: dict[str, Any], fmt: str) -> Series:
+def _series(result: dict[str, Any], fmt: str, reference: bool) -> Series:
     times, values = [], []
     for moment, text in result.get("values") or []:
         times.append(float(moment))
         values.append(float(text))
     labels = {str(k): str(v) for k, v in (result.get("metric") or {}).items()}
-    return Series(legend(fmt, labels), labels, times, values)
+    return Series(legend(fmt, labels), labels, times, values, reference)
 
 
 def collect(url: str, panels: list[Panel], span: tuple[float, float, float]) -> None:
     """Fill each panel's series (and errors) from Prometheus; Unreachable goes up to the caller."""
     for panel in panels:
-        for target in panel.targets:
+        for number, target in enumerate(panel.targets):
             results, error = query_range(url, target["expr"], span)
             if error:
                 panel.errors.append(f"{target['expr']}: {error}")
-            panel.series += [_series(result, target["legend"]) for result in results]
+            panel.series += [_series(result, target["legend"], number > 0) for result in results]
 
 
 def _pyplot() -> Any:
@@ -200,12 +202,16 @@ def _pyplot() -> Any:
 
 
 def plot(plt: Any, panel: Panel, path: Path) -> None:
-    """Draw the panel's series against local time, a legend below when they are few enough to read."""
+    """Draw the panel's series against UTC (as the page's header), a legend beside when they are few enough
+    to read (the page's table names them all)."""
     fig, ax = plt.subplots(figsize=(10, 4), dpi=90)
     for series in panel.series:
-        ax.plot([datetime.fromtimestamp(t) for t in series.times], series.values, linewidth=1.2, label=series.name)
+        moments = [datetime.fromtimestamp(t, UTC) for t in series.times]
+        style = "--" if series.reference else "-"
+        ax.plot(moments, series.values, linestyle=style, linewidth=1.2, label=series.name)
     ax.set_title(panel.title)
     ax.set_ylabel(UNITS.get(panel.unit, ""))
+    ax.set_xlabel("UTC")
     ax.grid(True, alpha=0.3)
     fig.autofmt_xdate()
     if len(panel.series) <= 24:

@@ -45,7 +45,8 @@ def test_scrapers_are_every_nic_address_never_docker_or_loopback_and_unknown_hos
 
 
 def test_the_control_node_finds_prometheus_at_its_ansible_host_else_its_cluster_address_else_its_name():
-    hostvars = {**HOSTVARS, "both": {"ansible_host": "192.168.1.7", "ansible_facts": HOSTVARS["node1"]["ansible_facts"]}}
+    both = {"ansible_host": "192.168.1.7", "ansible_facts": HOSTVARS["node1"]["ansible_facts"]}
+    hostvars = {**HOSTVARS, "both": both}
     assert prometheus_url("control", hostvars, "0.0.0.0:9090") == "http://192.168.1.5:9090"
     assert prometheus_url("both", hostvars, "0.0.0.0:9090") == "http://192.168.1.7:9090"
     assert prometheus_url("node1", hostvars, "[::]:9091") == "http://10.0.0.11:9091"
