@@ -322,7 +322,7 @@ def report(url: str, dashboard: dict[str, Any], out: Path, span: tuple[float, fl
 
 
 def _arguments(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--url", required=True, help="Prometheus, http://HOST:9090")
     parser.add_argument("--dashboard", required=True, help="the Grafana dashboard JSON whose panels to chart")
     parser.add_argument("--out", required=True, help="the directory for index.html and the PNGs")
