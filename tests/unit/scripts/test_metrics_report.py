@@ -202,9 +202,9 @@ def test_the_time_range_from_hours_or_start_and_end(report):
 
 
 def test_legends_fill_grafanas_format_and_a_missing_label_is_left_empty(report):
-    labels = {"instance": "node1", "gpu": "3", "exported_job": "pretrain"}
+    labels = {"instance": "node1", "gpu": "3", "job": "pretrain"}
     assert report.legend("{{instance}} GPU {{ gpu }}", labels) == "node1 GPU 3"
-    assert report.legend("{{exported_job}} rank {{rank}}", labels) == "pretrain rank"
+    assert report.legend("{{job}} rank {{rank}}", labels) == "pretrain rank"
     assert report.legend("", {"__name__": "up", "instance": "n"}) == '{instance="n"}'
 
 
