@@ -332,11 +332,18 @@ def _arguments(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _dashboard(path: str) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadArguments(f"cannot read the dashboard {path}: {exc}") from None
+
+
 def main(argv: list[str]) -> int:
     args = _arguments(argv)
     try:
         span = time_range(args.hours, args.start, args.end, time.time())
-        dashboard = json.loads(Path(args.dashboard).read_text(encoding="utf-8"))
+        dashboard = _dashboard(args.dashboard)
         panels = report(args.url, dashboard, Path(args.out).expanduser(), span)
     except Unreachable as exc:
         print(f"report: {exc}", file=sys.stderr)

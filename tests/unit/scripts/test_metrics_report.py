@@ -189,6 +189,12 @@ def test_something_else_at_the_url_is_named_with_what_it_answered(tmp_path):
     assert "Welcome to nginx!" in done.stderr
 
 
+def test_a_dashboard_that_is_not_there_is_named(report, tmp_path, capsys):
+    argv = ["--url", "http://127.0.0.1:1", "--dashboard", str(tmp_path / "none.json"), "--out", str(tmp_path)]
+    assert report.main(argv) == 2
+    assert f"report: cannot read the dashboard {tmp_path}/none.json: " in capsys.readouterr().err
+
+
 def test_the_time_range_from_hours_or_start_and_end(report):
     assert report.time_range(24, None, None, NOW) == (NOW - 86400, NOW, 288)
     assert report.time_range(0.1, None, None, NOW) == (NOW - 360, NOW, 2)
