@@ -240,6 +240,10 @@ def _watts(milliwatts: Any) -> Any:
     return round(milliwatts / 1000, 2) if _known(milliwatts) else milliwatts
 
 
+def _gpu_util(rates: Any) -> Any:
+    return getattr(rates, "gpu", UNSUPPORTED)
+
+
 def _joules(millijoules: Any) -> Any:
     return round(millijoules / 1000, 3) if _known(millijoules) else millijoules
 
@@ -379,6 +383,8 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
         "power_limit_w": _watts(get("power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle)),
         "energy_total_j": _joules(get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle)),
         "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
+        # Percent of the last sample period in which a kernel ran (nvidia-smi's "GPU-Util").
+        "utilization_pct": _convert(get("utilization_pct", "nvmlDeviceGetUtilizationRates", handle), _gpu_util),
         "throttle_reasons": _throttle_mask(reader, handle),
         "ecc_double_bit_volatile": get(
             "ecc", "nvmlDeviceGetTotalEccErrors", handle, MEMORY_ERROR_TYPE_UNCORRECTED, VOLATILE_ECC

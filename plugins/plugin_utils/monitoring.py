@@ -1,6 +1,7 @@
 """Who Prometheus scrapes and who may scrape: the node exporters' targets (each node's cluster address,
 the one net_facts chose) and the addresses a Prometheus host may connect from (the node exporters'
-firewall). Controller side, pure over hostvars."""
+firewall); and where the control node finds Prometheus' HTTP API (playbooks/report.yml). Controller
+side, pure over hostvars."""
 
 from __future__ import annotations
 
@@ -37,3 +38,22 @@ def scraper_addresses(hosts: list[str], hostvars: Mapping[str, Any], extra: list
     for address in extra or []:
         found["ipv6" if ":" in str(address) else "ipv4"].append(str(address))
     return {"ipv4": sorted(set(found["ipv4"])), "ipv6": sorted(set(found["ipv6"])), "unknown": unknown}
+
+
+# A listen address on every interface: the control node must pick one of the host's addresses itself.
+_ANY_ADDRESS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def prometheus_url(host: str, hostvars: Mapping[str, Any], listen_address: str) -> str:
+    """Return http://ADDRESS:PORT of Prometheus' HTTP API on host as the control node reaches it. The port
+    and, when Prometheus listens on one address, the address are prometheus_listen_address's; on every
+    address: the host's ansible_host (how the control node already reaches it), else its cluster address
+    (net_facts), else its inventory name."""
+    listen, _sep, port = str(listen_address).rpartition(":")
+    if listen not in _ANY_ADDRESS:
+        address = listen.strip("[]")
+    else:
+        hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
+        ansible_host = hv.get("ansible_host") if isinstance(hv, Mapping) else None
+        address = str(ansible_host or node_address(hostvars, host))
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"

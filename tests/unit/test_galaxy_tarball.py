@@ -208,3 +208,25 @@ def test_the_installed_roles_cron_entry_names_its_script_playbook_and_settings(i
     assert argv[argv.index("--inventory") + 1] == inventory, argv
     assert argv[argv.index("--ansible-playbook") + 1] == str(Path(tool("ansible-playbook")).parent / "ansible-playbook")
     assert argv[argv.index("--ansible-config") + 1] == env["ANSIBLE_CONFIG"], argv
+
+
+def test_the_installed_report_finds_its_dashboard_and_script_and_writes_outside_the_collection(installed, tmp_path):
+    """budgetgpu.cluster.report from the installed collection, against the fake Prometheus of the report's
+    own tests: the dashboard (roles/prometheus/files) and the script (playbooks/files) are found beside
+    the installed playbook, the page goes under budgetgpu_state_dir, nothing into the collection."""
+    from ansible_collections.budgetgpu.cluster.tests.unit.scripts.test_metrics_report import _Prometheus, _serve
+
+    _tarball, root, env, elsewhere = installed
+    before = tree(root)
+    server = _serve(_Prometheus)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        argv = [tool("ansible-playbook"), "budgetgpu.cluster.report", "-e", f"report_prometheus_url={url}"]
+        argv += ["-e", f"budgetgpu_state_dir={tmp_path} ansible_python_interpreter={sys.executable}"]
+        done = run(argv, env, elsewhere)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "GPU temperature: 2 series" in done.stdout
+    assert (tmp_path / "report" / "index.html").stat().st_size > 1000
+    assert tree(root) == before

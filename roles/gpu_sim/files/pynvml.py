@@ -301,6 +301,11 @@ def nvmlDeviceGetClockInfo(handle: _Handle, clock_type: int) -> int:
     return handle.get("sm_clock")
 
 
+def nvmlDeviceGetUtilizationRates(handle: _Handle) -> _Struct:
+    """An idle GPU unless the profile (or a fault) says "util_gpu" / "util_mem" (percent)."""
+    return _Struct(gpu=handle.get("util_gpu", 0), memory=handle.get("util_mem", 0))
+
+
 def nvmlDeviceGetMaxClockInfo(handle: _Handle, clock_type: int) -> int:
     return handle.get("sm_clock_max")
 

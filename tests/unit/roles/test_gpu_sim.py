@@ -99,9 +99,12 @@ def test_faults_lay_over_one_gpu_and_gone_takes_it_off_the_bus(fake_pynvml, tmp_
     monkeypatch.setenv("BUDGETGPU_SIM_FAULTS", str(faults))
     fake = fake_pynvml("h200")
     uuid = nvml_probe.health_sample(fake)["gpus"][0]["uuid"]
-    faults.write_text(json.dumps({uuid: {"temp": 91, "ecc_dbe_volatile": 2, "remapped_rows": [0, 3, 0, 1]}}))
+    assert nvml_probe.health_sample(fake)["gpus"][0]["utilization_pct"] == 0  # idle unless told
+    faults.write_text(
+        json.dumps({uuid: {"temp": 91, "ecc_dbe_volatile": 2, "remapped_rows": [0, 3, 0, 1], "util_gpu": 97}})
+    )
     gpu = nvml_probe.health_sample(fake)["gpus"][0]  # nvmlInit rereads the faults
-    assert (gpu["temperature_c"], gpu["ecc_double_bit_volatile"]) == (91, 2)
+    assert (gpu["temperature_c"], gpu["ecc_double_bit_volatile"], gpu["utilization_pct"]) == (91, 2, 97)
     assert gpu["remapped_rows"] == {"correctable": 0, "uncorrectable": 3, "pending": False, "failure": True}
     faults.write_text(json.dumps({uuid: {"gone": True}}))
     assert nvml_probe.health_sample(fake)["gpus"] == []

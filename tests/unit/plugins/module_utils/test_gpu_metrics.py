@@ -19,6 +19,7 @@ GPU = {
     "power_limit_w": 250.0,
     "energy_total_j": "unsupported",
     "sm_clock_mhz": 1695,
+    "utilization_pct": 97,
     "pcie": {"gen_current": 3, "width_current": 1, "replay_counter": 900},
     "aer": {"correctable": "RxErr 2\nBadTLP 1\nTOTAL_ERR_COR 3\n", "nonfatal": None, "fatal": {"total": 0}},
 }
@@ -54,6 +55,7 @@ def test_dcgm_names_and_labels_for_the_twins():
     assert values["DCGM_FI_DEV_POWER_USAGE{" + LABELS + "}"] == 251.5
     assert values["DCGM_FI_DEV_POWER_MGMT_LIMIT{" + LABELS + "}"] == 250
     assert values["DCGM_FI_DEV_SM_CLOCK{" + LABELS + "}"] == 1695
+    assert values["DCGM_FI_DEV_GPU_UTIL{" + LABELS + "}"] == 97
     assert values["DCGM_FI_DEV_FAN_SPEED{" + LABELS + "}"] == 0
     assert values["DCGM_FI_DEV_PCIE_REPLAY_COUNTER{" + LABELS + "}"] == 900
     assert values["DCGM_FI_DEV_PCIE_LINK_WIDTH{" + LABELS + "}"] == 1

@@ -3,7 +3,11 @@ firewall lets in (every NIC address of the Prometheus hosts, the extra ones, the
 
 from __future__ import annotations
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import scrape_targets, scraper_addresses
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    prometheus_url,
+    scrape_targets,
+    scraper_addresses,
+)
 
 
 def net(*addresses: str, chosen: str | None = None) -> dict:
@@ -38,3 +42,18 @@ def test_scrapers_are_every_nic_address_never_docker_or_loopback_and_unknown_hos
         "unknown": ["control"],
     }
     assert scraper_addresses([], HOSTVARS) == {"ipv4": [], "ipv6": [], "unknown": []}
+
+
+def test_the_control_node_finds_prometheus_at_its_ansible_host_else_its_cluster_address_else_its_name():
+    both = {"ansible_host": "192.168.1.7", "ansible_facts": HOSTVARS["node1"]["ansible_facts"]}
+    hostvars = {**HOSTVARS, "both": both}
+    assert prometheus_url("control", hostvars, "0.0.0.0:9090") == "http://192.168.1.5:9090"
+    assert prometheus_url("both", hostvars, "0.0.0.0:9090") == "http://192.168.1.7:9090"
+    assert prometheus_url("node1", hostvars, "[::]:9091") == "http://10.0.0.11:9091"
+    assert prometheus_url("node6", hostvars, ":9090") == "http://[fd00::16]:9090"
+    assert prometheus_url("bare", hostvars, "0.0.0.0:9090") == "http://bare:9090"
+
+
+def test_a_prometheus_on_one_address_is_asked_there():
+    assert prometheus_url("control", HOSTVARS, "10.0.0.5:9095") == "http://10.0.0.5:9095"
+    assert prometheus_url("control", HOSTVARS, "[fd00::5]:9090") == "http://[fd00::5]:9090"
