@@ -5,11 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import scrape_targets, scraper_addresses
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    inference_scrape_targets,
+    scrape_targets,
+    scraper_addresses,
+)
 
 
 class FilterModule:
     """budgetgpu monitoring filters."""
 
     def filters(self) -> dict[str, Any]:
-        return {"monitoring_scrape_targets": scrape_targets, "monitoring_scraper_addresses": scraper_addresses}
+        return {
+            "monitoring_scrape_targets": scrape_targets,
+            "monitoring_scraper_addresses": scraper_addresses,
+            "monitoring_inference_targets": as_filter(inference_scrape_targets),
+        }

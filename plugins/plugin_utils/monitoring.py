@@ -1,13 +1,20 @@
 """Who Prometheus scrapes and who may scrape: the node exporters' targets (each node's cluster address,
-the one net_facts chose) and the addresses a Prometheus host may connect from (the node exporters'
-firewall). Controller side, pure over hostvars."""
+the one net_facts chose), the inference workers' targets (the inference service model's own placement
+and ports: plugin_utils/inference.py inference_workers, never a second copy of them) and the addresses
+a Prometheus host may connect from (the node exporters', the workers' and Prometheus' own firewall).
+Controller side, pure over hostvars."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import node_address
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    inference_workers,
+    node_address,
+    service_hosts,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_addresses
 
 
@@ -37,3 +44,30 @@ def scraper_addresses(hosts: list[str], hostvars: Mapping[str, Any], extra: list
     for address in extra or []:
         found["ipv6" if ":" in str(address) else "ipv4"].append(str(address))
     return {"ipv4": sorted(set(found["ipv4"])), "ipv6": sorted(set(found["ipv6"])), "unknown": unknown}
+
+
+def inference_scrape_targets(
+    services: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], hosts: list[str]
+) -> list[dict[str, Any]]:
+    """Return Prometheus static_configs for every inference worker of every service that is not absent
+    (services normalised by inference_services_normalize): the worker's address and port as the
+    inference role places it (inference_workers, with the node's own budgetgpu_jobs, as the role reads
+    them), labelled node (inventory name), service, slot, unit and gpu_uuid. A node without facts (not
+    probed) raises ValueError: its workers' ports are not known."""
+    configs = []
+    for service in services or []:
+        if service.get("state") == "absent":
+            continue
+        for host in service_hosts(service, hostvars, hosts):
+            facts = (hostvars.get(host) or {}).get("ansible_facts") or {}
+            jobs = facts.get("budgetgpu_jobs", (hostvars.get(host) or {}).get("budgetgpu_jobs")) or []
+            for worker in inference_workers(service, hostvars, host, jobs):
+                labels = {
+                    "node": host,
+                    "service": str(worker["service"]),
+                    "slot": str(worker["slot"]),
+                    "unit": str(worker["unit"]),
+                    "gpu_uuid": str(worker.get("gpu_uuid") or ""),
+                }
+                configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
+    return configs
