@@ -7,6 +7,7 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    firewall_rules,
     inference_scrape_targets,
     scrape_targets,
     scraper_addresses,
@@ -21,4 +22,5 @@ class FilterModule:
             "monitoring_scrape_targets": scrape_targets,
             "monitoring_scraper_addresses": scraper_addresses,
             "monitoring_inference_targets": as_filter(inference_scrape_targets),
+            "monitoring_firewall_rules": firewall_rules,
         }

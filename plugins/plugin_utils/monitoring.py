@@ -71,3 +71,13 @@ def inference_scrape_targets(
                 }
                 configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
     return configs
+
+
+def firewall_rules(ports: list[Mapping[str, Any]], hostvars: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Return each port of a metrics firewall table ({port, what, only, hosts, extra}) with allow: the
+    scraper_addresses of its hosts and extra addresses ({ipv4, ipv6, unknown}), port as an int."""
+    rules = []
+    for entry in ports or []:
+        allow = scraper_addresses(list(entry.get("hosts") or []), hostvars, list(entry.get("extra") or []))
+        rules.append({**entry, "port": int(entry["port"]), "allow": allow})
+    return rules

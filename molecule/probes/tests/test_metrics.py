@@ -79,17 +79,35 @@ def test_prometheus_scrapes_every_node_and_the_gpu_metrics_of_every_simulated_gp
     assert {s["metric"]["instance"] for s in timer} == nodes - {"probes-nvml"}
 
 
-def test_node_exporter_answers_prometheus_only(host):
+CONNECT = (
+    "import socket, sys; s = socket.socket(); s.settimeout(5)\n"
+    "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
+    "except ConnectionRefusedError:\n print('refused')"
+)
+
+
+def connect(address: str, port: int | str) -> str:
+    return f"python3 -c {shlex.quote(CONNECT)} {shlex.quote(address)} {port}"
+
+
+def node_addresses(host) -> dict[str, str]:
     targets = {t["labels"]["instance"]: t["scrapeUrl"] for t in api(host, "targets")["activeTargets"]}
-    h200 = targets["probes-h200"].split("//")[1].split("/")[0]
-    code = (
-        "import socket, sys; s = socket.socket(); s.settimeout(5)\n"
-        "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
-        "except ConnectionRefusedError:\n print('refused')"
-    )
-    probe = f"python3 -c {shlex.quote(code)} {shlex.quote(h200.rsplit(':', 1)[0])} {h200.rsplit(':', 1)[1]}"
+    return {name: url.split("//")[1].split("/")[0].rsplit(":", 1)[0] for name, url in targets.items()}
+
+
+def test_node_exporter_answers_prometheus_only(host):
+    probe = connect(node_addresses(host)["probes-h200"], 9100)
     assert host.check_output(probe) == "open"  # from Prometheus' host
     assert RUNNER.get_host("probes-3090").check_output(probe) == "refused"  # from another node
+
+
+def test_prometheus_answers_its_clients_only(host):
+    # prometheus_clients: [probes-h200] (and no network): the host itself, probes-h200, nobody else.
+    probe = connect(node_addresses(host)["probes-nvml"], 9090)
+    assert host.check_output(probe) == "open"
+    assert RUNNER.get_host("probes-h200").check_output(probe) == "open"
+    assert RUNNER.get_host("probes-3090").check_output(probe) == "refused"
+    assert "budgetgpu_prometheus" in host.check_output("nft list tables")
 
 
 def test_a_dead_fan_fires_its_alert_and_a_healthy_fan_does_not(host):

@@ -89,6 +89,29 @@ def test_inference_targets_refuse_a_node_without_facts():
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
 
-    services = inference_services_normalize([{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node9"]}])
+    services = inference_services_normalize(
+        [{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node9"]}]
+    )
     with pytest.raises(ValueError, match="node9: service chat: gpus: found no GPU facts"):
         inference_scrape_targets(services, {}, ["node9"])
+
+
+def test_firewall_rules_give_each_port_its_addresses():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
+
+    ports = [
+        {"port": "9100", "what": "node exporter", "only": "Prometheus only", "hosts": ["node1"], "extra": []},
+        {
+            "port": 9090,
+            "what": "Prometheus",
+            "only": "its clients only",
+            "hosts": ["control"],
+            "extra": ["10.0.0.0/24"],
+        },
+    ]
+    rules = firewall_rules(ports, HOSTVARS)
+    assert [(r["port"], r["allow"]) for r in rules] == [
+        (9100, {"ipv4": ["10.0.0.11"], "ipv6": ["fd00::11"], "unknown": []}),
+        (9090, {"ipv4": ["10.0.0.0/24"], "ipv6": [], "unknown": ["control"]}),
+    ]
+    assert rules[1]["what"] == "Prometheus"
