@@ -9,6 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
+# budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
+# with this default in its vars/main.yml: tests/unit/roles/test_monitoring_inputs.py holds them equal).
+NODE_EXPORTER_PORT = 9100
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
     inference_workers,
