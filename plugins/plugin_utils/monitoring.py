@@ -9,12 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
-# budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
-# with this default in its vars/main.yml: tests/unit/roles/test_monitoring_inputs.py holds them equal).
-NODE_EXPORTER_PORT = 9100
-TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
-
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
     inference_workers,
@@ -22,6 +16,12 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import
     service_hosts,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_addresses
+
+# The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
+# budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
+# with this default in its vars/main.yml: tests/unit/roles/test_monitoring_inputs.py holds them equal).
+NODE_EXPORTER_PORT = 9100
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 
 
 def scrape_targets(hosts: list[str], hostvars: Mapping[str, Any], port: int) -> list[dict[str, Any]]:

@@ -44,7 +44,8 @@ def test_the_workers_admit_the_gateway_and_the_prometheus_hosts_then_refuse():
         "tcp dport 8100-8101 ip saddr 10.0.0.11 accept",
         "tcp dport 8100-8101 ip saddr { 10.0.0.13 } accept",
         "tcp dport 8100-8101 ip6 saddr { fd00::13 } accept",
-        'tcp dport 8100-8101 counter reject with tcp reset comment "budgetgpu: chat workers, gateway and Prometheus only"',
+        "tcp dport 8100-8101 counter reject with tcp reset comment"
+        ' "budgetgpu: chat workers, gateway and Prometheus only"',
     ]
     assert "the Prometheus hosts (monitor)" in text
 
