@@ -91,6 +91,7 @@ ROLE_FACTS = frozenset(
         "budgetgpu_preflight_scripts",
         "budgetgpu_preflight_jobs_digest",
         "budgetgpu_gpu_quarantine",
+        "budgetgpu_energy_reading",
     }
 )
 # Lists whose items' fields preflight checks, naming job or service and field (cluster_check,
