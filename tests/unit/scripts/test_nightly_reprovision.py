@@ -443,7 +443,8 @@ def test_the_second_nightly_run_shows_each_nodes_energy_per_day(fake, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[lines.index("node1: no drift") + 1] == (
-        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh (38.40 kWh on 2 GPUs over 24.0 h since the last nightly run)"
+        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh"
+        " (38.40 kWh on 2 GPUs over 24.0 h since the last nightly run)"
     )
     assert "node2: no drift" in lines and not any(
         line.startswith("  energy") for line in lines[lines.index("node2: no drift") :]

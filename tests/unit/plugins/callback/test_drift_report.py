@@ -125,7 +125,8 @@ def test_pending_and_jobs_come_from_the_safe_mode_facts(report):
     assert busy["jobs_active"] == ["budgetgpu-job-main.service"]
     assert busy["disruption_allowed"] is False
     # The provisioning summary's energy counters, for the next nightly run's energy per day.
-    assert busy["energy_reading"] == {"time": 1000.0, "gpus": {"GPU-a": 5000000}, "price_per_kwh": 0.12, "currency": "$"}
+    reading = {"time": 1000.0, "gpus": {"GPU-a": 5000000}, "price_per_kwh": 0.12, "currency": "$"}
+    assert busy["energy_reading"] == reading
     assert "energy_reading" not in report["hosts"]["clean"]
 
 

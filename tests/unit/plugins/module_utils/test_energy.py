@@ -114,7 +114,8 @@ def test_a_day_of_the_guides_cluster_is_38_4_kwh_and_4_61():
     assert day["kwh_per_day"] == pytest.approx(38.4) and day["hours"] == pytest.approx(24)
     assert day["cost_per_day"] == pytest.approx(4.608)
     assert day["line"] == (
-        "energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh (38.40 kWh on 4 GPUs over 24.0 h since the last nightly run)"
+        "energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh"
+        " (38.40 kWh on 4 GPUs over 24.0 h since the last nightly run)"
     )
 
 
@@ -130,7 +131,8 @@ def test_a_shorter_or_longer_window_is_scaled_to_a_day():
 def test_the_price_and_currency_of_this_run_apply():
     then = reading(0, a=0)
     now = energy.energy_reading({"gpus": [{"uuid": "a", "energy_total_j": 3.6e6}]}, 24 * 3600, 0.30, "EUR")
-    assert energy.energy_per_day(then, now)["line"].startswith("energy: 1.00 kWh a day = 0.30 EUR a day at 0.30 EUR/kWh")
+    line = energy.energy_per_day(then, now)["line"]
+    assert line.startswith("energy: 1.00 kWh a day = 0.30 EUR a day at 0.30 EUR/kWh")
 
 
 def test_a_gpu_whose_counter_went_back_or_is_new_is_left_out_and_named():
