@@ -40,6 +40,9 @@ ROLE_PREFIXES = (
     "gpu_sim_",
     "inference_",
     "gpu_power_",
+    "gpu_health_",
+    "node_exporter_",
+    "prometheus_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 

@@ -137,6 +137,8 @@ def test_the_shipped_inventories_pass(path):
 def test_the_settings_that_had_to_agree_are_one_cluster_wide_input_each():
     old = {"node_exporter_port": 9200, "prometheus_node_exporter_port": 9200, "gpu_health_textfile_dir": "/x"}
     old["node_exporter_textfile_dir"] = "/x"
+    # Preflight hands the check every name of the collection's prefixes: these among them.
+    assert all(inputs.is_input_name(name) for name in old)
     found = inputs.check_inputs("node1", old, OPTIONS, KNOWN)
     assert found == [
         "node1: gpu_health_textfile_dir: renamed to budgetgpu_node_exporter_textfile_dir",
