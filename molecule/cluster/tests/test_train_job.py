@@ -265,7 +265,7 @@ def test_a_throttled_node_is_named_the_straggler_and_the_status_shows_it():
     assert {r["host"] for r in status["ranks"]} == set(NODES) and all(r["step_s"] > 0 for r in status["ranks"])
     assert status["straggler_ratio"] >= 1 and status["straggler_threshold"] == 0.15, status
     # The job's state directory lets others open the status by name, list nothing (the watch's user).
-    assert sh("cluster-node1", "stat -c %a /var/lib/budgetgpu/jobs/e2e") == "751"
+    assert sh("cluster-node1", "stat -c %a /var/lib/budgetgpu/jobs/e2e").strip() == "751"
 
 
 def test_an_unchanged_rerun_changes_nothing_and_keeps_the_job_running():
