@@ -48,6 +48,9 @@ REPORTED_FACTS = {
     "budgetgpu_disruption_allowed": "disruption_allowed",
     # Role gpu_health: the GPUs out of service, {uuid: {reason, since, by}}.
     "budgetgpu_gpu_quarantine": "gpu_quarantine",
+    # The provisioning summary: the GPUs' energy counters, the time and the price (energy.energy_reading);
+    # the next nightly run compares its own with it (energy per day).
+    "budgetgpu_energy_reading": "energy_reading",
 }
 PENDING_FACT = "budgetgpu_pending"
 REPORT_FORMAT = 1

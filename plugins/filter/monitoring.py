@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    firewall_rules,
+    inference_scrape_targets,
     prometheus_url,
     scrape_targets,
     scraper_addresses,
@@ -20,4 +23,6 @@ class FilterModule:
             "monitoring_scrape_targets": scrape_targets,
             "monitoring_scraper_addresses": scraper_addresses,
             "monitoring_prometheus_url": prometheus_url,
+            "monitoring_inference_targets": as_filter(inference_scrape_targets),
+            "monitoring_firewall_rules": firewall_rules,
         }

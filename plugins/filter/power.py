@@ -35,6 +35,13 @@ def gpu_energy_summary(gpus_facts: Mapping[str, Any] | None, price: Any = None, 
     )
 
 
+def gpu_energy_reading(
+    gpus_facts: Mapping[str, Any] | None, now: Any, price: Any = None, currency: Any = None
+) -> dict[str, Any]:
+    """Return the node's energy reading (energy.energy_reading): the time, each GPU's counter, the price."""
+    return energy.energy_reading(gpus_facts, float(now), None if price is None else float(price), currency)
+
+
 class FilterModule:
     """budgetgpu power and energy filters."""
 
@@ -42,4 +49,5 @@ class FilterModule:
         return {
             "gpu_power_problems": gpu_power_problems,
             "gpu_energy_summary": gpu_energy_summary,
+            "gpu_energy_reading": gpu_energy_reading,
         }

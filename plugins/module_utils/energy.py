@@ -123,3 +123,68 @@ def job_run_energy(
     if skipped:
         line += f" (not counted: GPU {', '.join(skipped)})"
     return {"kwh": kwh, "cost": amount, "gpus": counted, "line": line}
+
+
+def energy_reading(
+    gpus: Mapping[str, Any] | None,
+    now: float,
+    price_per_kwh: float | None = None,
+    currency: str | None = None,
+) -> dict[str, Any]:
+    """Return a node's energy reading for the nightly report: {"time": now (epoch s), "gpus": {uuid: joules}
+    (NVML's counters, gpu_facts' energy_total_j; GPUs without one left out), "price_per_kwh", "currency"}.
+    The provisioning summary sets it as a fact each run; the drift report keeps it, so the next nightly
+    run compares its own against it (energy_per_day)."""
+    counters = {}
+    for gpu in (gpus or {}).get("gpus") or []:
+        joules = gpu.get("energy_total_j")
+        if gpu.get("uuid") and not isinstance(joules, bool) and isinstance(joules, int | float):
+            counters[str(gpu["uuid"])] = joules
+    return {
+        "time": round(float(now), 3),
+        "gpus": counters,
+        "price_per_kwh": DEFAULT_PRICE_PER_KWH if price_per_kwh is None else float(price_per_kwh),
+        "currency": currency or DEFAULT_CURRENCY,
+    }
+
+
+def energy_per_day(previous: Mapping[str, Any] | None, current: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Return the node's energy per day between two readings (energy_reading) of nightly runs: the GPUs'
+    counters' growth since the previous reading, scaled to 24 hours by the time between the readings
+    (a run that started late, or a night skipped, still gives a day's figure), and its cost at the
+    current reading's price. A GPU whose counter went back (the driver reloaded: a reboot) or that one
+    reading lacks is left out and named.
+
+    Returns {"kwh", "hours", "kwh_per_day", "cost_per_day", "gpus" (counted), "line"}; the numbers are
+    None when there is nothing to compare (no earlier reading, no GPU counted, no time between)."""
+    none = {"kwh": None, "hours": None, "kwh_per_day": None, "cost_per_day": None, "gpus": 0}
+    if not isinstance(current, Mapping) or not isinstance(current.get("gpus"), Mapping):
+        return {**none, "line": "energy: no reading in this run (no GPU facts)"}
+    if not isinstance(previous, Mapping) or not isinstance(previous.get("gpus"), Mapping):
+        return {**none, "line": "energy: no reading of an earlier nightly run yet (the next one shows kWh a day)"}
+    hours = (float(current.get("time") or 0) - float(previous.get("time") or 0)) / 3600
+    if hours <= 0:
+        return {**none, "line": "energy: the earlier reading is not older than this one"}
+    total_j, counted, skipped = 0.0, 0, []
+    for uuid, now in sorted(current["gpus"].items()):
+        then = previous["gpus"].get(uuid)
+        if not isinstance(then, int | float) or isinstance(then, bool) or now < then:
+            skipped.append(uuid)
+            continue
+        total_j += now - then
+        counted += 1
+    if not counted:
+        return {**none, "hours": hours, "line": "energy: no GPU counter to compare with the earlier reading"}
+    price = float(current.get("price_per_kwh", DEFAULT_PRICE_PER_KWH))
+    currency = str(current.get("currency") or DEFAULT_CURRENCY)
+    kwh = kwh_from_joules(total_j)
+    per_day = kwh * 24 / hours
+    amount = cost(per_day, price)
+    line = (
+        f"energy: {per_day:.2f} kWh a day = {format_money(amount, currency)} a day at "
+        f"{format_money(price, currency)}/kWh ({kwh:.2f} kWh on {counted} GPU{'s' if counted != 1 else ''} "
+        f"over {hours:.1f} h since the last nightly run)"
+    )
+    if skipped:
+        line += f" (not counted, counter reset or missing: {', '.join(skipped)})"
+    return {"kwh": kwh, "hours": hours, "kwh_per_day": per_day, "cost_per_day": amount, "gpus": counted, "line": line}

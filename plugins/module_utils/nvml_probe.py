@@ -414,3 +414,28 @@ def health_sample(nvml: Any) -> dict[str, Any]:
     finally:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
+
+
+def energy_counters(nvml: Any) -> dict[str, float]:
+    """Return {uuid: joules since the driver loaded} of every GPU with the total-energy counter (Volta
+    and newer; power_fields' energy_total_j): what a job's unit records at its start
+    (roles/torchrun/files/budgetgpu-job-energy). NVML failing to start gives {}."""
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return {}
+    counters = {}
+    try:
+        count = _Reader(nvml).get("count", "nvmlDeviceGetCount")
+        for index in range(count if _known(count) else 0):
+            reader, handle = _device(nvml, index)
+            if not _known(handle):
+                continue
+            uuid = reader.get("uuid", "nvmlDeviceGetUUID", handle)
+            joules = _joules(reader.get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle))
+            if _known(uuid) and _known(joules):
+                counters[_text(uuid)] = joules
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()
+    return counters

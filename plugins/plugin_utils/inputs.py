@@ -40,6 +40,9 @@ ROLE_PREFIXES = (
     "gpu_sim_",
     "inference_",
     "gpu_power_",
+    "gpu_health_",
+    "node_exporter_",
+    "prometheus_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
@@ -60,6 +63,10 @@ OTHER_INPUTS = {
     # price and currency of the energy figures (plugins/module_utils/energy.py holds the defaults)
     "budgetgpu_electricity_price_per_kwh": {"type": "float"},
     "budgetgpu_currency": {"type": "str"},
+    # node exporter's port and textfile directory (roles node_exporter, prometheus, gpu_health;
+    # plugin_utils/monitoring.py NODE_EXPORTER_PORT, TEXTFILE_DIR)
+    "budgetgpu_node_exporter_port": {"type": "int"},
+    "budgetgpu_node_exporter_textfile_dir": {"type": "path"},
     # scripts/nightly-reprovision --force; read by the probe role (probe_force)
     "reprovision_force": {"type": "bool"},
     # a host's node rank in a static rendezvous (torchrun_jobs' node_ranks)
@@ -87,13 +94,21 @@ ROLE_FACTS = frozenset(
         "budgetgpu_preflight_scripts",
         "budgetgpu_preflight_jobs_digest",
         "budgetgpu_gpu_quarantine",
+        "budgetgpu_energy_reading",
     }
 )
 # Lists whose items' fields preflight checks, naming job or service and field (cluster_check,
 # inference_services_normalize and inference_check): here only their shape.
 JOB_LISTS = frozenset({"torchrun_jobs", "inference_services"})
 # Inputs that were renamed: the old name is refused with the new one.
-RENAMED = {"nccl_network_interface": "budgetgpu_cluster_interface"}
+RENAMED = {
+    "nccl_network_interface": "budgetgpu_cluster_interface",
+    # Settings that had to agree across roles, now one cluster-wide input each.
+    "node_exporter_port": "budgetgpu_node_exporter_port",
+    "prometheus_node_exporter_port": "budgetgpu_node_exporter_port",
+    "node_exporter_textfile_dir": "budgetgpu_node_exporter_textfile_dir",
+    "gpu_health_textfile_dir": "budgetgpu_node_exporter_textfile_dir",
+}
 
 
 def _nonnegative_number(value) -> bool:

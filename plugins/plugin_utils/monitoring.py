@@ -1,15 +1,28 @@
 """Who Prometheus scrapes and who may scrape: the node exporters' targets (each node's cluster address,
-the one net_facts chose) and the addresses a Prometheus host may connect from (the node exporters'
-firewall); and where the control node finds Prometheus' HTTP API (playbooks/report.yml). Controller
-side, pure over hostvars."""
+the one net_facts chose), the inference workers' targets (the inference service model's own placement
+and ports: plugin_utils/inference.py inference_workers, never a second copy of them) and the addresses
+a Prometheus host may connect from (the node exporters', the workers' and Prometheus' own firewall);
+and where the control node finds Prometheus' HTTP API (playbooks/report.yml). Controller side, pure
+over hostvars."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import node_address
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    inference_workers,
+    node_address,
+    service_hosts,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_addresses
+
+# The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
+# budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
+# with this default in its vars/main.yml: tests/unit/roles/test_monitoring_inputs.py holds them equal).
+NODE_EXPORTER_PORT = 9100
+TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 
 
 def scrape_targets(hosts: list[str], hostvars: Mapping[str, Any], port: int) -> list[dict[str, Any]]:
@@ -57,3 +70,40 @@ def prometheus_url(host: str, hostvars: Mapping[str, Any], listen_address: str) 
         ansible_host = hv.get("ansible_host") if isinstance(hv, Mapping) else None
         address = str(ansible_host or node_address(hostvars, host))
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+def inference_scrape_targets(
+    services: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], hosts: list[str]
+) -> list[dict[str, Any]]:
+    """Return Prometheus static_configs for every inference worker of every service that is not absent
+    (services normalised by inference_services_normalize): the worker's address and port as the
+    inference role places it (inference_workers, with the node's own budgetgpu_jobs, as the role reads
+    them), labelled node (inventory name), service, slot, unit and gpu_uuid. A node without facts (not
+    probed) raises ValueError: its workers' ports are not known."""
+    configs = []
+    for service in services or []:
+        if service.get("state") == "absent":
+            continue
+        for host in service_hosts(service, hostvars, hosts):
+            facts = (hostvars.get(host) or {}).get("ansible_facts") or {}
+            jobs = facts.get("budgetgpu_jobs", (hostvars.get(host) or {}).get("budgetgpu_jobs")) or []
+            for worker in inference_workers(service, hostvars, host, jobs):
+                labels = {
+                    "node": host,
+                    "service": str(worker["service"]),
+                    "slot": str(worker["slot"]),
+                    "unit": str(worker["unit"]),
+                    "gpu_uuid": str(worker.get("gpu_uuid") or ""),
+                }
+                configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
+    return configs
+
+
+def firewall_rules(ports: list[Mapping[str, Any]], hostvars: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Return each port of a metrics firewall table ({port, what, only, hosts, extra}) with allow: the
+    scraper_addresses of its hosts and extra addresses ({ipv4, ipv6, unknown}), port as an int."""
+    rules = []
+    for entry in ports or []:
+        allow = scraper_addresses(list(entry.get("hosts") or []), hostvars, list(entry.get("extra") or []))
+        rules.append({**entry, "port": int(entry["port"]), "allow": allow})
+    return rules

@@ -258,6 +258,14 @@ def test_a_throttled_node_is_named_the_straggler_and_the_status_shows_it():
     assert out.count("energy since the job started: ") == 2, out[-3000:]
     status = json.loads(sh("cluster-node1", "cat /var/lib/budgetgpu/jobs/e2e/status.json"))
     assert status["step"] > 0 and status["steps_per_s"] > 0 and status["world"] == 4
+    # What the health watch exports as the job's metrics (job_metrics.py): every rank's compute time
+    # per step with its node, the slowest over the median (the throttle is off again by now: a later
+    # window may be even) and the job's threshold.
+    assert [r["rank"] for r in status["ranks"]] == [0, 1, 2, 3], status
+    assert {r["host"] for r in status["ranks"]} == set(NODES) and all(r["step_s"] > 0 for r in status["ranks"])
+    assert status["straggler_ratio"] >= 1 and status["straggler_threshold"] == 0.15, status
+    # The job's state directory lets others open the status by name, list nothing (the watch's user).
+    assert sh("cluster-node1", "stat -c %a /var/lib/budgetgpu/jobs/e2e").strip() == "751"
 
 
 def test_an_unchanged_rerun_changes_nothing_and_keeps_the_job_running():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -137,6 +138,12 @@ def test_the_no_change_run_changes_nothing_and_records_its_time():
     assert all(s["changed"] == 0 and s["failures"] == 0 for s in stats.values()), stats
     # The installed collection ran, by name, found by the script: nothing on its path is the checkout.
     assert report["nightly"]["playbook"] == "budgetgpu.cluster.site", summary
+    # Energy per day: this run's GPU counters (4 simulated 3090s a node) against the first run's.
+    for node in NODES:
+        assert len(report["hosts"][node]["energy_reading"]["gpus"]) == 4, report["hosts"][node]
+    assert len(re.findall(r"^  energy: [\d.]+ kWh a day = \$[\d.,]+ a day at \$0\.12/kWh \(", summary, re.M)) == 2, (
+        summary
+    )
     log = (LOGS / "latest" / "ansible.log").read_text()
     assert f"collection {INSTALLED.resolve()}, " in log, log[:2000]
     path = next(line for line in log.splitlines() if line.startswith("ANSIBLE_COLLECTIONS_PATH ")).split()[1]

@@ -79,17 +79,35 @@ def test_prometheus_scrapes_every_node_and_the_gpu_metrics_of_every_simulated_gp
     assert {s["metric"]["instance"] for s in timer} == nodes - {"probes-nvml"}
 
 
-def test_node_exporter_answers_prometheus_only(host):
+CONNECT = (
+    "import socket, sys; s = socket.socket(); s.settimeout(5)\n"
+    "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
+    "except ConnectionRefusedError:\n print('refused')"
+)
+
+
+def connect(address: str, port: int | str) -> str:
+    return f"python3 -c {shlex.quote(CONNECT)} {shlex.quote(address)} {port}"
+
+
+def node_addresses(host) -> dict[str, str]:
     targets = {t["labels"]["instance"]: t["scrapeUrl"] for t in api(host, "targets")["activeTargets"]}
-    h200 = targets["probes-h200"].split("//")[1].split("/")[0]
-    code = (
-        "import socket, sys; s = socket.socket(); s.settimeout(5)\n"
-        "try:\n s.connect((sys.argv[1], int(sys.argv[2]))); print('open')\n"
-        "except ConnectionRefusedError:\n print('refused')"
-    )
-    probe = f"python3 -c {shlex.quote(code)} {shlex.quote(h200.rsplit(':', 1)[0])} {h200.rsplit(':', 1)[1]}"
+    return {name: url.split("//")[1].split("/")[0].rsplit(":", 1)[0] for name, url in targets.items()}
+
+
+def test_node_exporter_answers_prometheus_only(host):
+    probe = connect(node_addresses(host)["probes-h200"], 9100)
     assert host.check_output(probe) == "open"  # from Prometheus' host
     assert RUNNER.get_host("probes-3090").check_output(probe) == "refused"  # from another node
+
+
+def test_prometheus_answers_its_clients_only(host):
+    # prometheus_clients: [probes-h200] (and no network): the host itself, probes-h200, nobody else.
+    probe = connect(node_addresses(host)["probes-nvml"], 9090)
+    assert host.check_output(probe) == "open"
+    assert RUNNER.get_host("probes-h200").check_output(probe) == "open"
+    assert RUNNER.get_host("probes-3090").check_output(probe) == "refused"
+    assert "budgetgpu_prometheus" in host.check_output("nft list tables")
 
 
 def test_a_dead_fan_fires_its_alert_and_a_healthy_fan_does_not(host):
@@ -111,6 +129,58 @@ def test_a_dead_fan_fires_its_alert_and_a_healthy_fan_does_not(host):
     finally:
         node.check_output(f"echo '{{}}' > {FAULTS} && {WATCH} && gpu-health release {GPUS_3090[0]}")
         node.check_output(WATCH)
+
+
+def test_a_jobs_status_becomes_its_metrics_and_a_stopped_job_leaves_no_rate(host):
+    """Rank 0's status file, as the trainer writes it, in a job directory the watch may not list (0751,
+    another user's), and the job's unit running (a stand-in): the watch's pass exports it, Prometheus
+    keeps the job's name as label job, the straggler alert fires; the unit stopped, the rate is gone."""
+    node = RUNNER.get_host("probes-3090")
+    status = {
+        "step": 400,
+        "steps_per_s": 7.5,
+        "world": 2,
+        "restarts": 0,
+        "straggler": "straggler: rank 1 (probes-h200 GPU 0): 31% slower than the median over the last 200 steps",
+        "straggler_ratio": 1.31,
+        "straggler_threshold": 0.15,
+        "window_steps": 200,
+        "ranks": [
+            {"rank": 0, "host": "probes-3090", "local_rank": 0, "step_s": 0.1},
+            {"rank": 1, "host": "probes-h200", "local_rank": 0, "step_s": 0.131},
+        ],
+    }
+    script = (
+        "import json, sys, time; s = json.loads(sys.argv[1]); s['time'] = time.time(); "
+        "open('/var/lib/budgetgpu/jobs/probe/status.json', 'w').write(json.dumps(s))"
+    )
+    node.check_output(
+        "install -d -m 0751 -o nobody -g nogroup /var/lib/budgetgpu/jobs/probe && "
+        f"python3 -c {shlex.quote(script)} {shlex.quote(json.dumps(status))} && "
+        "chown nobody:nogroup /var/lib/budgetgpu/jobs/probe/status.json && "
+        "chmod 0644 /var/lib/budgetgpu/jobs/probe/status.json && "
+        "systemd-run --quiet --unit=budgetgpu-job-probe sleep infinity && " + WATCH
+    )
+    try:
+        rate = wait_for(lambda: query(host, 'budgetgpu_job_steps_per_second{job="probe"}'), lambda got: len(got) == 1)
+        assert rate[0]["metric"]["instance"] == "probes-3090" and float(rate[0]["value"][1]) == 7.5
+        steps = query(host, 'budgetgpu_job_step_seconds{job="probe"}')
+        assert {(s["metric"]["rank"], s["metric"]["node"], float(s["value"][1])) for s in steps} == {
+            ("0", "probes-3090", 0.1),
+            ("1", "probes-h200", 0.131),
+        }
+        firing = wait_for(
+            lambda: alerts(host, "BudgetgpuJobStraggler"), lambda got: [a["state"] for a in got] == ["firing"]
+        )
+        assert firing[0]["labels"]["job"] == "probe"
+        assert "1.31 times the median" in firing[0]["annotations"]["summary"]
+    finally:
+        node.check_output(f"systemctl stop budgetgpu-job-probe.service && {WATCH}")
+    text = node.check_output("cat /var/lib/prometheus/node-exporter/budgetgpu_jobs.prom")
+    assert 'budgetgpu_job_running{job="probe"} 0' in text and "budgetgpu_job_steps_per_second" not in text
+    wait_for(lambda: query(host, 'budgetgpu_job_steps_per_second{job="probe"}'), lambda got: got == [])
+    wait_for(lambda: alerts(host, "BudgetgpuJobStraggler"), lambda got: got == [])
+    node.check_output(f"rm -r /var/lib/budgetgpu/jobs/probe && {WATCH}")
 
 
 def test_the_rules_pass_their_promtool_tests_with_the_nodes_promtool(host):

@@ -76,6 +76,7 @@ class Finding:
     ratio: float  # slowest / median - 1: 0.31 is 31% slower
     steps: int
     threshold: float
+    times: tuple[RankTime, ...] = ()  # every rank's, for the status (and the job's metrics)
 
     @property
     def straggler(self) -> bool:
@@ -85,6 +86,21 @@ class Finding:
     @property
     def line(self) -> str:
         return straggler_line(self)
+
+    def status(self) -> dict[str, Any]:
+        """Return the finding's part of the job's status: the straggler ratio (slowest over median: 1.0
+        when even), the threshold, the window's steps and each rank's compute seconds per step. The
+        health watch exports them (job_metrics.py: budgetgpu_job_straggler_ratio, _step_seconds)."""
+        steps = max(self.steps, 1)
+        return {
+            "straggler_ratio": round(1 + self.ratio, 4),
+            "straggler_threshold": self.threshold,
+            "window_steps": self.steps,
+            "ranks": [
+                {"rank": t.rank, "host": t.host, "local_rank": t.local_rank, "step_s": round(t.seconds / steps, 6)}
+                for t in sorted(self.times, key=lambda t: t.rank)
+            ],
+        }
 
 
 def median(values: Sequence[float]) -> float:
@@ -105,7 +121,7 @@ def slowest_against_median(
     if mid <= 0:
         return None
     slowest = max(times, key=lambda t: (t.seconds, -t.rank))
-    return Finding(slowest, mid, slowest.seconds / mid - 1, steps, threshold)
+    return Finding(slowest, mid, slowest.seconds / mid - 1, steps, threshold, tuple(times))
 
 
 def straggler_line(finding: Finding) -> str:

@@ -22,8 +22,9 @@ lines are `key=value`, for people and tests:
 
 Each rank times its forward and backward apart from the gradient all-reduce (budgetgpu_straggler,
 installed beside this script); every N steps rank 0 names the slowest rank against the median, and
-writes the job's status (step, steps per second, the latest straggler line) to a JSON file that
-`playbooks/train.yml -e job_state=status` reads.
+writes the job's status (step, steps per second since the last report, the latest straggler line, each
+rank's compute seconds per step and the straggler ratio) to a JSON file that the health watch exports
+as metrics and `playbooks/train.yml -e job_state=status` reads.
 
 Defaults come from the environment the unit sets: BUDGETGPU_CHECKPOINT_DIR,
 BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND,
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 # Installed beside this script (the script's directory is the first entry of sys.path).
-from budgetgpu_straggler import StepTimer, all_reduce_gradients, every_steps_from_env, write_status
+from budgetgpu_straggler import Finding, StepTimer, all_reduce_gradients, every_steps_from_env, write_status
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -345,14 +346,20 @@ class Progress:
     started: float
     status_file: str
     straggler: str = ""
+    finding: Finding | None = None
 
     def report(self, step: int, loss: torch.Tensor, logged: bool) -> None:
-        ctx = self.ctx
-        rate = (step - self.start_step) / max(time.monotonic() - self.started, 1e-9)
+        """Log the step line and write the status. The rate is the current one, since the previous
+        report (a job that slows down shows it at once; a rate since the start hides it for hours)."""
+        ctx, now = self.ctx, time.monotonic()
+        rate = (step - self.start_step) / max(now - self.started, 1e-9)
+        self.start_step, self.started = step, now
         if logged:
             log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
         if self.status_file:
             status = {"step": step, "steps_per_s": round(rate, 3), "straggler": self.straggler, "world": ctx.world}
+            if self.finding:
+                status.update(self.finding.status())
             try:
                 write_status(self.status_file, {**status, "restarts": ctx.restarts})
             except OSError as err:
@@ -415,7 +422,7 @@ def train(args: argparse.Namespace) -> int:
         step += 1
         line = timer.step_done()
         if line:
-            progress.straggler = line
+            progress.straggler, progress.finding = line, timer.last
             log(line)
         if ctx.rank == 0 and (step % args.log_every == 0 or line):
             progress.report(step, loss, step % args.log_every == 0)

@@ -44,6 +44,9 @@ def test_every_alert_the_issue_asks_for_is_there_with_its_variables():
         "BudgetgpuGpuQuarantined",
         "BudgetgpuGpuXid",
         "BudgetgpuPcieLinkBelowExpected",
+        "BudgetgpuJobStraggler",
+        "BudgetgpuJobSlowedDown",
+        "BudgetgpuInferenceWorkerDown",
     }
     assert rules["BudgetgpuGpuTooHot"]["expr"] == "DCGM_FI_DEV_GPU_TEMP >= 88"
     assert rules["BudgetgpuNodeDown"]["for"] == "7m"
@@ -62,11 +65,22 @@ def test_every_alert_has_a_promtool_test_that_fires():
 
 
 def test_the_metrics_the_gpu_rules_read_are_the_ones_the_watch_writes():
-    from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_metrics import METRICS
+    from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_metrics, job_metrics
 
     text = render_rules()
     used = set(__import__("re").findall(r"\b(DCGM_FI_DEV_\w+|budgetgpu_\w+)", text))
-    assert used and used <= set(METRICS), used - set(METRICS)
+    written = set(gpu_metrics.METRICS) | set(job_metrics.METRICS)
+    assert used and used <= written, used - written
+
+
+def test_the_job_rules_follow_their_variables():
+    rules = alerts(render_rules({"prometheus_job_slowdown_ratio": 0.25, "prometheus_job_rate_window": "6h"}))
+    slowed = rules["BudgetgpuJobSlowedDown"]
+    assert slowed["expr"] == (
+        "budgetgpu_job_steps_per_second < 0.25 * avg_over_time(budgetgpu_job_steps_per_second[6h])"
+    )
+    assert "under 25% of its average over the last 6h" in slowed["annotations"]["summary"]
+    assert rules["BudgetgpuJobStraggler"]["for"] == "10m"
 
 
 @pytest.mark.skipif(not shutil.which("promtool"), reason="promtool (Debian's prometheus) is not installed here")

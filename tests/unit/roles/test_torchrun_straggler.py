@@ -96,3 +96,18 @@ def test_the_step_timer_reports_only_every_n_steps_and_never_alone():
         pass
     assert timer.window_s >= 0
     assert [timer.step_done() for _step in range(4)] == [None] * 4  # one rank: nothing to compare
+
+
+def test_the_findings_status_holds_the_ratio_and_each_ranks_step_time():
+    found = straggler.slowest_against_median(ranks(10, 10, 13.1, 10, per_node=2), steps=100)
+    status = found.status()
+    assert status["straggler_ratio"] == pytest.approx(1.31) and status["straggler_threshold"] == 0.15
+    assert status["window_steps"] == 100
+    assert status["ranks"] == [
+        {"rank": 0, "host": "node1", "local_rank": 0, "step_s": 0.1},
+        {"rank": 1, "host": "node1", "local_rank": 1, "step_s": 0.1},
+        {"rank": 2, "host": "node2", "local_rank": 0, "step_s": 0.131},
+        {"rank": 3, "host": "node2", "local_rank": 1, "step_s": 0.1},
+    ]
+    even = straggler.slowest_against_median(ranks(2, 2, per_node=2), steps=10).status()
+    assert even["straggler_ratio"] == 1.0

@@ -201,3 +201,32 @@ def test_a_pass_writes_the_metrics_file_atomically_with_the_dead_fan(watch, tmp_
     )
     assert f'budgetgpu_gpu_health_finding{{{labels},kind="dead_fan"}} 1' in text
     assert f"DCGM_FI_DEV_XID_ERRORS{{{labels}}} 79" in text and f"budgetgpu_gpu_xid_errors_total{{{labels}}} 1" in text
+
+
+def test_a_pass_exports_the_jobs_status_and_drops_the_rate_once_the_unit_stopped(watch, tmp_path, monkeypatch):
+    script, config, _inject = watch
+    root = tmp_path / "jobs"
+    (root / "demo").mkdir(parents=True)
+    (root / "other").mkdir()  # a job whose rank 0 runs elsewhere: no status here, no metrics
+    status = {"step": 40, "steps_per_s": 7.5, "world": 2, "straggler_ratio": 1.02, "straggler_threshold": 0.15}
+    status["ranks"] = [{"rank": 0, "host": "node1", "step_s": 0.05}, {"rank": 1, "host": "node2", "step_s": 0.051}]
+    (root / "demo" / "status.json").write_text(json.dumps({**status, "time": time.time() - 3}))
+    config.update(jobs_root=str(root), jobs_metrics_file=str(tmp_path / "jobs.prom"), job_stale_after_s=600)
+    asked = []
+
+    def systemctl(argv, **kwargs):
+        asked.append(argv)
+        state = "active" if len(asked) == 1 else "inactive"
+        return script.subprocess.CompletedProcess(argv, 0, f"Id=budgetgpu-job-demo.service\nActiveState={state}\n", "")
+
+    monkeypatch.setattr(script.subprocess, "run", systemctl)
+    script.write_text(config["jobs_metrics_file"], script.job_metrics_text(config))
+    text = (tmp_path / "jobs.prom").read_text()
+    assert asked == [["systemctl", "show", "--property=Id,ActiveState", "budgetgpu-job-demo.service"]]
+    assert 'budgetgpu_job_steps_per_second{job="demo"} 7.5' in text
+    assert 'budgetgpu_job_step_seconds{job="demo",rank="1",node="node2"} 0.051' in text
+    assert 'job="other"' not in text
+    script.write_text(config["jobs_metrics_file"], script.job_metrics_text(config))
+    text = (tmp_path / "jobs.prom").read_text()
+    assert "budgetgpu_job_steps_per_second" not in text and 'budgetgpu_job_running{job="demo"} 0' in text
+    assert 'budgetgpu_job_last_step{job="demo"} 40' in text

@@ -23,6 +23,7 @@ PLAYBOOK = """\
         budgetgpu_jobs_active: [budgetgpu-job-main.service]
         budgetgpu_disruption_allowed: false
         budgetgpu_pending: ["container_runtime: restart docker.service to apply daemon.json"]
+        budgetgpu_energy_reading: {time: 1000.0, gpus: {GPU-a: 5000000}, price_per_kwh: 0.12, currency: $}
       when: inventory_hostname == 'busy'
     - name: Reset the pending list as every playbook's probe does
       ansible.builtin.set_fact:
@@ -123,6 +124,10 @@ def test_pending_and_jobs_come_from_the_safe_mode_facts(report):
     ]
     assert busy["jobs_active"] == ["budgetgpu-job-main.service"]
     assert busy["disruption_allowed"] is False
+    # The provisioning summary's energy counters, for the next nightly run's energy per day.
+    reading = {"time": 1000.0, "gpus": {"GPU-a": 5000000}, "price_per_kwh": 0.12, "currency": "$"}
+    assert busy["energy_reading"] == reading
+    assert "energy_reading" not in report["hosts"]["clean"]
 
 
 def test_failures_are_reported_with_their_message_and_ignored_ones_are_not(report):

@@ -98,3 +98,59 @@ def test_a_job_run_without_a_start_record_says_so(start):
 def test_a_job_run_on_gpus_without_counters_says_so():
     run = energy.job_run_energy({"gpus": {}}, [{"uuid": "GPU-a", "energy_total_j": None}])
     assert run["kwh"] is None and run["line"] == "energy: no GPU with an energy counter since the job's start"
+
+
+def reading(time_s: float, **joules: float) -> dict:
+    gpus = {"gpus": [{"index": i, "uuid": uuid, "energy_total_j": j} for i, (uuid, j) in enumerate(joules.items())]}
+    return energy.energy_reading(gpus, time_s)
+
+
+def test_a_day_of_the_guides_cluster_is_38_4_kwh_and_4_61():
+    # Four GPUs drawing 400 W each (1.6 kW) for the 24 hours between two nightly runs.
+    day_j = 1600 * 24 * 3600 / 4
+    then = reading(1_000_000, a=5e6, b=5e6, c=5e6, d=5e6)
+    now = reading(1_000_000 + 24 * 3600, a=5e6 + day_j, b=5e6 + day_j, c=5e6 + day_j, d=5e6 + day_j)
+    day = energy.energy_per_day(then, now)
+    assert day["kwh_per_day"] == pytest.approx(38.4) and day["hours"] == pytest.approx(24)
+    assert day["cost_per_day"] == pytest.approx(4.608)
+    assert day["line"] == (
+        "energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh"
+        " (38.40 kWh on 4 GPUs over 24.0 h since the last nightly run)"
+    )
+
+
+def test_a_shorter_or_longer_window_is_scaled_to_a_day():
+    # 6 hours at 1 kW (a run started late, or run by hand in between): 6 kWh, 24 kWh a day.
+    then, now = reading(0, a=0), reading(6 * 3600, a=1000 * 6 * 3600)
+    assert energy.energy_per_day(then, now)["kwh_per_day"] == pytest.approx(24)
+    # A night skipped: 48 h at 500 W is 24 kWh, 12 kWh a day.
+    then, now = reading(0, a=0), reading(48 * 3600, a=500 * 48 * 3600)
+    assert energy.energy_per_day(then, now)["kwh_per_day"] == pytest.approx(12)
+
+
+def test_the_price_and_currency_of_this_run_apply():
+    then = reading(0, a=0)
+    now = energy.energy_reading({"gpus": [{"uuid": "a", "energy_total_j": 3.6e6}]}, 24 * 3600, 0.30, "EUR")
+    line = energy.energy_per_day(then, now)["line"]
+    assert line.startswith("energy: 1.00 kWh a day = 0.30 EUR a day at 0.30 EUR/kWh")
+
+
+def test_a_gpu_whose_counter_went_back_or_is_new_is_left_out_and_named():
+    # GPU b's driver reloaded (a reboot): its counter restarted; GPU c was not there last night.
+    then = reading(0, a=0, b=9e9)
+    now = reading(24 * 3600, a=3.6e6, b=1e6, c=5e6)
+    day = energy.energy_per_day(then, now)
+    assert day["gpus"] == 1 and day["kwh_per_day"] == pytest.approx(1)
+    assert day["line"].endswith("(not counted, counter reset or missing: b, c)")
+    assert energy.energy_per_day(reading(0, b=9e9), reading(3600, b=1))["kwh_per_day"] is None
+
+
+def test_nothing_to_compare_says_why():
+    now = reading(100, a=1)
+    assert energy.energy_per_day(None, now)["line"] == (
+        "energy: no reading of an earlier nightly run yet (the next one shows kWh a day)"
+    )
+    assert energy.energy_per_day(now, now)["kwh_per_day"] is None
+    assert energy.energy_per_day(now, None)["line"] == "energy: no reading in this run (no GPU facts)"
+    # A GPU without the counter (older than Volta) is not in the reading.
+    assert energy.energy_reading({"gpus": [{"uuid": "old", "energy_total_j": "unsupported"}]}, 0)["gpus"] == {}

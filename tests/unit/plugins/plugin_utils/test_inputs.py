@@ -132,3 +132,22 @@ def inventory_inputs(path: Path) -> dict:
 )
 def test_the_shipped_inventories_pass(path):
     assert problems(inventory_inputs(REPO / path)) == []
+
+
+def test_the_settings_that_had_to_agree_are_one_cluster_wide_input_each():
+    old = {"node_exporter_port": 9200, "prometheus_node_exporter_port": 9200, "gpu_health_textfile_dir": "/x"}
+    old["node_exporter_textfile_dir"] = "/x"
+    # Preflight hands the check every name of the collection's prefixes: these among them.
+    assert all(inputs.is_input_name(name) for name in old)
+    found = inputs.check_inputs("node1", old, OPTIONS, KNOWN)
+    assert found == [
+        "node1: gpu_health_textfile_dir: renamed to budgetgpu_node_exporter_textfile_dir",
+        "node1: node_exporter_port: renamed to budgetgpu_node_exporter_port",
+        "node1: node_exporter_textfile_dir: renamed to budgetgpu_node_exporter_textfile_dir",
+        "node1: prometheus_node_exporter_port: renamed to budgetgpu_node_exporter_port",
+    ]
+    assert not set(inputs.RENAMED) & set(OPTIONS)  # no role takes the old names any more
+    new = {"budgetgpu_node_exporter_port": 9200, "budgetgpu_node_exporter_textfile_dir": "/srv/textfile"}
+    assert inputs.check_inputs("node1", new, OPTIONS, KNOWN) == []
+    (bad,) = inputs.check_inputs("node1", {"budgetgpu_node_exporter_port": "high"}, OPTIONS, KNOWN)
+    assert bad.startswith("node1: budgetgpu_node_exporter_port: expected int, found 'high'")

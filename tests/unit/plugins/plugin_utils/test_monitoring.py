@@ -57,3 +57,80 @@ def test_the_control_node_finds_prometheus_at_its_ansible_host_else_its_cluster_
 def test_a_prometheus_on_one_address_is_asked_there():
     assert prometheus_url("control", HOSTVARS, "10.0.0.5:9095") == "http://10.0.0.5:9095"
     assert prometheus_url("control", HOSTVARS, "[fd00::5]:9090") == "http://[fd00::5]:9090"
+
+
+def test_inference_targets_are_the_workers_the_service_model_places():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+        inference_services_normalize,
+        inference_upstreams,
+    )
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
+
+    def node(address: str, gpus: int) -> dict:
+        facts = {
+            "budgetgpu_net": net(address, chosen=address),
+            "budgetgpu_gpus": {"gpus": [{"index": i, "uuid": f"GPU-{address}-{i}"} for i in range(gpus)]},
+        }
+        return {"ansible_facts": facts, "group_names": ["gpu_nodes", "serve"]}
+
+    hostvars = {"node1": node("10.0.0.11", 2), "node2": node("10.0.0.12", 1)}
+    hostvars["node1"]["group_names"].append("trainers")
+    # node1's GPU 0 runs a training job: the service gets GPU 1 only there, as the inference role places it.
+    hostvars["node1"]["budgetgpu_jobs"] = [
+        {"name": "llm", "nodes": "trainers", "nproc_per_node": 1, "state": "started", "enabled": True}
+    ]
+    services = inference_services_normalize(
+        [
+            {"name": "chat", "model": "/m/chat", "task": "generation", "nodes": "serve", "port": 8100},
+            {"name": "old", "model": "/m/old", "task": "generation", "nodes": "serve", "port": 8200, "state": "absent"},
+        ]
+    )
+    targets = inference_scrape_targets(services, hostvars, ["node1", "node2"])
+    # The gateway's upstreams, from the same model: the same workers.
+    jobs = hostvars["node1"]["budgetgpu_jobs"]
+    assert [t["targets"][0] for t in targets] == inference_upstreams(services[0], hostvars, ["node1", "node2"], jobs)
+    assert [(t["targets"], t["labels"]["node"], t["labels"]["slot"]) for t in targets] == [
+        (["10.0.0.11:8100"], "node1", "0"),
+        (["10.0.0.12:8100"], "node2", "0"),
+    ]
+    assert targets[0]["labels"] == {
+        "node": "node1",
+        "service": "chat",
+        "slot": "0",
+        "unit": "budgetgpu-infer-chat@0.service",
+        "gpu_uuid": "GPU-10.0.0.11-1",
+    }
+    assert inference_scrape_targets([], hostvars, ["node1"]) == []
+
+
+def test_inference_targets_refuse_a_node_without_facts():
+    import pytest
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
+
+    services = inference_services_normalize(
+        [{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node9"]}]
+    )
+    with pytest.raises(ValueError, match="node9: service chat: gpus: found no GPU facts"):
+        inference_scrape_targets(services, {}, ["node9"])
+
+
+def test_firewall_rules_give_each_port_its_addresses():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
+
+    ports = [
+        {"port": "9100", "what": "node exporter", "only": "Prometheus only", "hosts": ["node1"], "extra": []},
+        {
+            "port": 9090,
+            "what": "Prometheus",
+            "only": "its clients only",
+            "hosts": ["control"],
+            "extra": ["10.0.0.0/24"],
+        },
+    ]
+    rules = firewall_rules(ports, HOSTVARS)
+    assert [(r["port"], r["allow"]) for r in rules] == [
+        (9100, {"ipv4": ["10.0.0.11"], "ipv6": ["fd00::11"], "unknown": []}),
+        (9090, {"ipv4": ["10.0.0.0/24"], "ipv6": [], "unknown": ["control"]}),
+    ]
+    assert rules[1]["what"] == "Prometheus"

@@ -1,0 +1,135 @@
+"""The metrics of the training jobs whose rank 0 runs on this node, in Prometheus' text format, for node
+exporter's textfile collector.
+
+Rank 0 of a job writes its status (roles/torchrun/files/budgetgpu_straggler.py write_status: step,
+steps per second over the last window, each rank's compute seconds per step, the straggler ratio)
+to /var/lib/budgetgpu/jobs/<job>/status.json. The health watch (scripts/gpu-health, an unprivileged
+user of its own, each pass) reads those files and the jobs' units' state and writes the text below
+into its own state directory, which a link shows to node exporter: the job's user never writes to
+node exporter's directory, and nobody but the watch writes the metrics.
+
+A status that is not live (the job's unit is not active, or the file is older than `stale_after`
+seconds: rank 0 writes it at every log line) exports no rate, no ratio and no step times: a stopped
+job leaves no gauge frozen at its last value, and Prometheus marks those series stale at the next
+scrape. What stays is what is still true: the last step, the file's age, running 0.
+
+Plain standard-library Python with no imports from the rest of the collection (the watch loads it
+by path, as it loads gpu_metrics.py). Pure over its inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The units of the training jobs: plugin_utils/jobs.py UNIT_PREFIX (a unit test holds them equal).
+UNIT_PREFIX = "budgetgpu-job-"
+STATUS_FILE = "status.json"
+# Seconds after which a status whose unit is active still counts as stale (rank 0 stopped writing:
+# a hung job, or a status left behind on a node that is no longer the job's master).
+STALE_AFTER_S = 900
+
+# name: (type, help). The order of the output.
+METRICS = {
+    "budgetgpu_job_running": ("gauge", "1 when the job's unit is active and rank 0's status is fresh, else 0."),
+    "budgetgpu_job_steps_per_second": ("gauge", "Rank 0's steps per second since its previous status."),
+    "budgetgpu_job_straggler_ratio": (
+        "gauge",
+        "Compute time per step of the slowest rank over the median of all ranks (1.0: even).",
+    ),
+    "budgetgpu_job_straggler_threshold_ratio": (
+        "gauge",
+        "Straggler ratio from which the job calls the slowest rank a straggler (1.15: 15% slower).",
+    ),
+    "budgetgpu_job_step_seconds": (
+        "gauge",
+        "Each rank's compute seconds per step (forward and backward, apart from the all-reduce) "
+        "over the last straggler report window.",
+    ),
+    "budgetgpu_job_world_size": ("gauge", "Ranks of the job."),
+    "budgetgpu_job_last_step": ("gauge", "The last step rank 0 reported."),
+    "budgetgpu_job_restarts": ("gauge", "Times torchrun restarted the job's workers (in this unit run)."),
+    "budgetgpu_job_status_age_seconds": ("gauge", "Seconds since rank 0 last wrote the job's status."),
+}
+
+
+def unit_name(job: str) -> str:
+    """Return the systemd unit of a job (plugin_utils/jobs.py unit_name)."""
+    return f"{UNIT_PREFIX}{job}.service"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _escape(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(round(value, 6))
+
+
+def is_live(active: bool | None, age_s: float, stale_after: float = STALE_AFTER_S) -> bool:
+    """Whether a status counts as the job's present: its unit active (None: unknown, the age decides)
+    and the file written less than stale_after seconds ago."""
+    return active is not False and age_s < stale_after
+
+
+def job_samples(
+    job: str, status: dict[str, Any], active: bool | None, age_s: float, stale_after: float = STALE_AFTER_S
+) -> list[tuple[str, dict[str, str], float]]:
+    """Return (name, labels, value) of one job's metrics from its status (status.json parsed), its
+    unit's state and the file's age. Rates, ratio and step times only while live (is_live)."""
+    labels = {"job": job}
+    live = is_live(active, age_s, stale_after)
+    out: list[tuple[str, dict[str, str], Any]] = [("budgetgpu_job_running", labels, 1 if live else 0)]
+    if live:
+        threshold = _number(status.get("straggler_threshold"))
+        out += [
+            ("budgetgpu_job_steps_per_second", labels, _number(status.get("steps_per_s"))),
+            ("budgetgpu_job_straggler_ratio", labels, _number(status.get("straggler_ratio"))),
+            ("budgetgpu_job_straggler_threshold_ratio", labels, None if threshold is None else 1 + threshold),
+            ("budgetgpu_job_world_size", labels, _number(status.get("world"))),
+        ]
+        for rank in status.get("ranks") or []:
+            if isinstance(rank, dict) and _number(rank.get("rank")) is not None:
+                rank_labels = {"job": job, "rank": str(rank["rank"]), "node": str(rank.get("host") or "")}
+                out.append(("budgetgpu_job_step_seconds", rank_labels, _number(rank.get("step_s"))))
+    out += [
+        ("budgetgpu_job_last_step", labels, _number(status.get("step"))),
+        ("budgetgpu_job_restarts", labels, _number(status.get("restarts"))),
+        ("budgetgpu_job_status_age_seconds", labels, round(max(age_s, 0.0), 3)),
+    ]
+    return [(name, lab, float(value)) for name, lab, value in out if value is not None]
+
+
+def render(jobs: list[dict[str, Any]], stale_after: float = STALE_AFTER_S) -> str:
+    """Return the text for jobs: [{name, status, active, age_s}], one HELP and TYPE per name present
+    ("" for no job: node exporter reads an empty file as no metrics)."""
+    samples = []
+    for job in sorted(jobs, key=lambda j: str(j["name"])):
+        samples += job_samples(str(job["name"]), job.get("status") or {}, job.get("active"), job["age_s"], stale_after)
+    lines = []
+    for name, (kind, words) in METRICS.items():
+        mine = [(labels, value) for metric, labels, value in samples if metric == name]
+        if not mine:
+            continue
+        lines += [f"# HELP {name} {words}", f"# TYPE {name} {kind}"]
+        for labels, value in mine:
+            text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
+            lines.append(f"{name}{{{text}}} {_text(value)}")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def active_units(systemctl_show: str) -> dict[str, bool]:
+    """Return {unit: active} from `systemctl show --property=Id,ActiveState UNIT...` (blocks split by
+    an empty line). Active while starting or reloading too; anything else (inactive, failed,
+    activating between two restarts, deactivating) is not."""
+    units: dict[str, bool] = {}
+    for block in systemctl_show.strip().split("\n\n"):
+        fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if fields.get("Id"):
+            units[fields["Id"]] = fields.get("ActiveState") in ("active", "reloading")
+    return units

@@ -1,0 +1,99 @@
+"""job_metrics: a job's status file as Prometheus metrics (the names the alerts and the dashboard use),
+and no rate, ratio or step time left frozen when the job stopped or its status went stale."""
+
+from __future__ import annotations
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import job_metrics
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
+
+STATUS = {
+    "step": 400,
+    "steps_per_s": 9.5,
+    "world": 4,
+    "restarts": 1,
+    "straggler": "straggler: rank 2 (node2 GPU 0): 31% slower than the median over the last 200 steps",
+    "straggler_ratio": 1.31,
+    "straggler_threshold": 0.15,
+    "window_steps": 200,
+    "ranks": [
+        {"rank": 0, "host": "node1", "local_rank": 0, "step_s": 0.1},
+        {"rank": 1, "host": "node1", "local_rank": 1, "step_s": 0.1},
+        {"rank": 2, "host": "node2", "local_rank": 0, "step_s": 0.131},
+        {"rank": 3, "host": "node2", "local_rank": 1, "step_s": 0.1},
+    ],
+    "time": 1000.0,
+}
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not line.startswith("#")]
+
+
+def test_a_running_job_exports_its_rate_ratio_threshold_and_each_ranks_step_time():
+    text = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 12.5}])
+    assert lines(text) == [
+        'budgetgpu_job_running{job="demo"} 1',
+        'budgetgpu_job_steps_per_second{job="demo"} 9.5',
+        'budgetgpu_job_straggler_ratio{job="demo"} 1.31',
+        'budgetgpu_job_straggler_threshold_ratio{job="demo"} 1.15',
+        'budgetgpu_job_step_seconds{job="demo",rank="0",node="node1"} 0.1',
+        'budgetgpu_job_step_seconds{job="demo",rank="1",node="node1"} 0.1',
+        'budgetgpu_job_step_seconds{job="demo",rank="2",node="node2"} 0.131',
+        'budgetgpu_job_step_seconds{job="demo",rank="3",node="node2"} 0.1',
+        'budgetgpu_job_world_size{job="demo"} 4',
+        'budgetgpu_job_last_step{job="demo"} 400',
+        'budgetgpu_job_restarts{job="demo"} 1',
+        'budgetgpu_job_status_age_seconds{job="demo"} 12.5',
+    ]
+    assert "# TYPE budgetgpu_job_steps_per_second gauge" in text.splitlines()
+    # One HELP and TYPE per name, before its samples.
+    assert text.count("# HELP budgetgpu_job_step_seconds ") == 1
+
+
+def test_a_stopped_job_leaves_no_rate_ratio_or_step_time_behind():
+    text = job_metrics.render([{"name": "demo", "status": STATUS, "active": False, "age_s": 12.5}])
+    assert lines(text) == [
+        'budgetgpu_job_running{job="demo"} 0',
+        'budgetgpu_job_last_step{job="demo"} 400',
+        'budgetgpu_job_restarts{job="demo"} 1',
+        'budgetgpu_job_status_age_seconds{job="demo"} 12.5',
+    ]
+
+
+def test_a_status_older_than_the_bound_is_stale_even_with_the_unit_active():
+    stale = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 900}])
+    assert "budgetgpu_job_steps_per_second" not in stale and 'budgetgpu_job_running{job="demo"} 0' in stale
+    fresh = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 899}], stale_after=900)
+    assert 'budgetgpu_job_running{job="demo"} 1' in fresh
+    # Unknown unit state (systemd did not answer): the age alone decides.
+    assert job_metrics.is_live(None, 10) and not job_metrics.is_live(None, 1000)
+    assert not job_metrics.is_live(False, 0)
+
+
+def test_a_status_without_a_straggler_report_yet_exports_what_it_has():
+    status = {"step": 10, "steps_per_s": 3.25, "world": 1, "restarts": 0, "time": 5.0}
+    text = job_metrics.render([{"name": "one", "status": status, "active": True, "age_s": 1}])
+    assert "straggler_ratio" not in text and "step_seconds" not in text
+    assert 'budgetgpu_job_steps_per_second{job="one"} 3.25' in text
+
+
+def test_no_job_writes_an_empty_file_and_labels_are_escaped():
+    assert job_metrics.render([]) == ""
+    text = job_metrics.render([{"name": 'a"b', "status": {"step": 1}, "active": True, "age_s": 0}])
+    assert 'budgetgpu_job_last_step{job="a\\"b"} 1' in text
+
+
+def test_systemctl_show_gives_each_units_state():
+    show = "Id=budgetgpu-job-a.service\nActiveState=active\n\nId=budgetgpu-job-b.service\nActiveState=failed\n\n"
+    show += "Id=budgetgpu-job-c.service\nActiveState=activating\n"
+    assert job_metrics.active_units(show) == {
+        "budgetgpu-job-a.service": True,
+        "budgetgpu-job-b.service": False,
+        "budgetgpu-job-c.service": False,
+    }
+
+
+def test_the_unit_names_and_status_file_are_the_job_models():
+    assert job_metrics.UNIT_PREFIX == jobs.UNIT_PREFIX
+    assert job_metrics.unit_name("demo") == jobs.unit_name("demo")
+    assert job_metrics.STATUS_FILE == jobs.STATUS_FILE
