@@ -66,5 +66,5 @@ def test_the_report_charts_every_simulated_gpu_from_this_prometheus(host, playbo
     pngs = {p.name: p.stat().st_size for p in (tmp_path / "report").glob("*.png")}
     assert "panel-2-gpu-temperature.png" in pngs and "panel-3-gpu-power-draw-and-limit.png" in pngs
     assert min(pngs.values()) > 5000, pngs
-    # No job runs here: its panels say so instead of failing the report.
-    assert "Job steps per second: no data" in done.stdout
+    # No inference service runs here: its panels say so instead of failing the report.
+    assert "Inference request latency: no data" in done.stdout
