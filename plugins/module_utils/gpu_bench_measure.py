@@ -205,8 +205,8 @@ def bench_node(
     links = {gpu["bus_id"]: gpu for gpu in pcie.probe_pcie(sysfs_root)["gpus"]}
     host = socket.gethostname()
     results = []
-    nvml.nvmlInit()
-    try:
+    # The samplers read through nvml_probe's Reader, within one NVML session for the whole run.
+    with nvml_probe.session(nvml):
         for static in facts["gpus"]:
             index = static["index"]
             if only is not None and index not in only:
@@ -243,8 +243,6 @@ def bench_node(
                     "errors": static.get("errors") or {},
                 }
             )
-    finally:
-        nvml.nvmlShutdown()
     return {"host": host, "backend": backend.name, "seconds_per_gpu": seconds, "gpus": results}
 
 

@@ -19,10 +19,15 @@ from collections.abc import Mapping
 from typing import Any
 
 try:
-    from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import probe_nvml
+    from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import (
+        UNSUPPORTED,
+        Reader,
+        probe_nvml,
+        session,
+    )
     from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import is_bus_id, normalize_bus_id
 except ImportError:  # scripts/gpu-power on a node: pcie.py and nvml_probe.py are beside this file, on sys.path
-    from nvml_probe import probe_nvml  # type: ignore[no-redef]
+    from nvml_probe import UNSUPPORTED, Reader, probe_nvml, session  # type: ignore[no-redef]
     from pcie import is_bus_id, normalize_bus_id  # type: ignore[no-redef]
 
 VARIABLE = "gpu_power_limit_watts"
@@ -155,22 +160,38 @@ def cap_problems(host: str, gpus: list[Mapping[str, Any]], caps: Any, budget: An
     return [f"{host}: {problem}" for problem in problems if problem]
 
 
+class NvmlFailed(Exception):
+    """An NVML call of apply_caps failed (or the binding lacks it): nothing after it was set."""
+
+
+def _read(reader: Reader, what: str, function: str, *args: Any) -> Any:
+    value, error = reader.call(function, *args)
+    if value is None and error is None:
+        return None  # a setter's answer
+    if value is None or value == UNSUPPORTED:
+        why = error if error is not None else f"this NVML binding has no {function}"
+        raise NvmlFailed(f"{what} ({function}): {why}")
+    return value
+
+
 def apply_caps(nvml: Any, gpus: list[Mapping[str, Any]], caps: Any, check_mode: bool = False) -> list[dict[str, Any]]:
     """Set each GPU's power management limit to its cap where it differs; return what was (or would be)
     changed: [{index, uuid, bus_id, from_w, to_w, line}]. Call it with NVML initialised and the caps
-    checked by cap_problems."""
+    checked by cap_problems. NvmlFailed says which call failed."""
     targets, _problems = resolve_caps(gpus, caps)
+    reader = Reader(nvml)
     changes = []
     for gpu in gpus:
         if gpu["index"] not in targets:
             continue
-        handle = nvml.nvmlDeviceGetHandleByIndex(gpu["index"])
-        now_mw = nvml.nvmlDeviceGetPowerManagementLimit(handle)
+        label = gpu_label(gpu)
+        handle = _read(reader, label, "nvmlDeviceGetHandleByIndex", gpu["index"])
+        now_mw = _read(reader, f"{label}: reading the power limit", "nvmlDeviceGetPowerManagementLimit", handle)
         want_mw = round(targets[gpu["index"]]["watts"] * 1000)
         if now_mw == want_mw:
             continue
         if not check_mode:
-            nvml.nvmlDeviceSetPowerManagementLimit(handle, want_mw)
+            _read(reader, f"{label}: setting the power limit", "nvmlDeviceSetPowerManagementLimit", handle, want_mw)
         changes.append(
             {
                 "index": gpu["index"],
@@ -178,7 +199,7 @@ def apply_caps(nvml: Any, gpus: list[Mapping[str, Any]], caps: Any, check_mode: 
                 "bus_id": gpu.get("bus_id"),
                 "from_w": now_mw / 1000,
                 "to_w": want_mw / 1000,
-                "line": f"{gpu_label(gpu)}: power limit {now_mw / 1000:g} W -> {want_mw / 1000:g} W",
+                "line": f"{label}: power limit {now_mw / 1000:g} W -> {want_mw / 1000:g} W",
             }
         )
     return changes
@@ -201,13 +222,11 @@ def enforce(nvml: Any, host: str, caps: Any, budget: Any = None, check_mode: boo
     problems = cap_problems(host, facts["gpus"], caps, budget)
     if problems:
         return {"failed": True, "changed": False, "msg": "; ".join(problems), "problems": problems}
-    nvml.nvmlInit()
     try:
-        changes = apply_caps(nvml, facts["gpus"], caps, check_mode)
-    except nvml.NVMLError as exc:
+        with session(nvml):
+            changes = apply_caps(nvml, facts["gpus"], caps, check_mode)
+    except (NvmlFailed, nvml.NVMLError) as exc:
         return {"failed": True, "changed": False, "msg": f"{host}: setting a power limit through NVML failed: {exc}"}
-    finally:
-        nvml.nvmlShutdown()
     return {
         "failed": False,
         "changed": bool(changes),

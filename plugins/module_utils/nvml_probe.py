@@ -6,6 +6,12 @@ and passes the module in; nothing here imports it.
 
 A field the GPU does not support is the string "unsupported" (UNSUPPORTED); a field that failed
 for another reason is None, with the NVML error text under the GPU's `errors`.
+
+Every NVML call goes through Reader, so that any binding works field by field: a function the
+binding does not define (Ubuntu 22.04's 7.352 has no nvmlSystemGetCudaDriverVersion, no
+nvmlDeviceGetNvLinkState, no fan v2) and one the driver's library lacks (the binding raises
+FunctionNotFound) read UNSUPPORTED, like a field the GPU does not support. CONTRIBUTING ("NVML
+bindings") lists what each supported binding reads.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Iterator
+from importlib import metadata
 from typing import Any
 
 UNSUPPORTED = "unsupported"
@@ -153,24 +161,74 @@ def driver_state_from_error(
     }
 
 
-class _Reader:
-    """Calls NVML getters, turning "not supported" into UNSUPPORTED and other errors into None."""
+class Reader:
+    """Calls NVML getters, turning "not supported" into UNSUPPORTED and other errors into None.
+
+    The one way this collection calls NVML (apart from nvmlInit/nvmlShutdown, in session): a
+    function missing from the binding or from the driver's library is UNSUPPORTED."""
 
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
         self.errors: dict[str, str] = {}
 
-    def get(self, key: str, function: str, *args: Any) -> Any:
+    def call(self, function: str, *args: Any) -> tuple[Any, Exception | None]:
+        """Return (value, None); (UNSUPPORTED, error or None) where the function or the GPU lacks it;
+        (None, error) for another NVML error."""
         getter = getattr(self.nvml, function, None)
         if getter is None:
-            return UNSUPPORTED
+            return UNSUPPORTED, None
         try:
-            return getter(*args)
+            return getter(*args), None
         except self.nvml.NVMLError as exc:
-            if getattr(exc, "value", None) in _UNSUPPORTED_CODES:
-                return UNSUPPORTED
-            self.errors[key] = str(exc)
-            return None
+            return (UNSUPPORTED if error_code(exc) in _UNSUPPORTED_CODES else None), exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            # A binding older than the struct or the Python it runs on (7.352 was written for
+            # Python 2): the field is lost, not the probe.
+            return None, exc
+
+    def get(self, key: str, function: str, *args: Any) -> Any:
+        value, error = self.call(function, *args)
+        if value is None and error is not None:
+            self.errors[key] = str(error) if isinstance(error, self.nvml.NVMLError) else f"{function}: {error!r}"
+        return value
+
+
+def error_code(exc: BaseException | None) -> int | None:
+    """Return an NVMLError's return code (nvml.h), None for anything else."""
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+@contextlib.contextmanager
+def session(nvml: Any) -> Iterator[None]:
+    """nvmlInit, then nvmlShutdown however the block ends (a failing shutdown is not the caller's
+    problem). nvmlInit's NVMLError is raised: its code says the driver's state."""
+    nvml.nvmlInit()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlShutdown()
+
+
+def binding(nvml: Any) -> dict[str, Any]:
+    """Return which NVML binding this is: {module, distribution, version, path}. nvidia-ml-py
+    defines no version of its own: the distribution installed beside the module says it
+    (nvidia-ml-py3 7.352.0 from PyPI; nvidia-ml-py 11.525.112 as Debian 12's python3-pynvml).
+    Without one (gpu_sim's drop-in) distribution and version are None."""
+    path = getattr(nvml, "__file__", None)
+    found: dict[str, Any] = {"module": getattr(nvml, "__name__", "pynvml"), "distribution": None, "version": None}
+    found["path"] = path
+    if not path:
+        return found
+    here = os.path.dirname(os.path.realpath(path))
+    for dist in metadata.distributions(path=[here]):
+        top = (dist.read_text("top_level.txt") or "").split()
+        files = [str(entry) for entry in dist.files or []]
+        if found["module"] in top or f"{found['module']}.py" in files:
+            found["distribution"], found["version"] = dist.metadata["Name"], dist.version
+            break
+    return found
 
 
 def _known(value: Any) -> bool:
@@ -181,36 +239,36 @@ def _convert(value: Any, convert: Any) -> Any:
     return convert(value) if _known(value) else value
 
 
-def _nvlinks_active(reader: _Reader, handle: Any) -> Any:
-    """Return how many NVLinks are active, or UNSUPPORTED when the GPU has none."""
+def _nvlinks_active(reader: Reader, handle: Any) -> Any:
+    """Return how many NVLinks are active, or UNSUPPORTED when the GPU (or the binding) has none."""
     active = 0
     for link in range(int(getattr(reader.nvml, "NVML_NVLINK_MAX_LINKS", 18))):
-        try:
-            state = reader.nvml.nvmlDeviceGetNvLinkState(handle, link)
-        except reader.nvml.NVMLError as exc:
-            if getattr(exc, "value", None) in (*_UNSUPPORTED_CODES, ERROR_INVALID_ARGUMENT):
-                # Links are numbered from 0: the first one missing ends the list.
-                return UNSUPPORTED if link == 0 else active
-            reader.errors["nvlinks_active"] = str(exc)
+        state, error = reader.call("nvmlDeviceGetNvLinkState", handle, link)
+        if state == UNSUPPORTED or error_code(error) == ERROR_INVALID_ARGUMENT:
+            # Links are numbered from 0: the first one missing ends the list.
+            return UNSUPPORTED if link == 0 else active
+        if error is not None:
+            reader.errors["nvlinks_active"] = str(error)
             return None
         active += 1 if state else 0
     return active
 
 
-def _retired_pages(reader: _Reader, handle: Any) -> Any:
+def _retired_pages(reader: Reader, handle: Any) -> Any:
     single = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_SINGLE_BIT)
     if not _known(single):
         return single
     double = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_DOUBLE_BIT)
     pending = reader.get("retired_pages", "nvmlDeviceGetRetiredPagesPendingStatus", handle)
+    # 7.352 returns a map object (written for Python 2's list-returning map).
     return {
-        "single_bit_ecc": len(single),
-        "double_bit_ecc": len(double) if _known(double) else double,
+        "single_bit_ecc": len(list(single)),
+        "double_bit_ecc": len(list(double)) if _known(double) else double,
         "pending": bool(pending) if _known(pending) else pending,
     }
 
 
-def _remapped_rows(reader: _Reader, handle: Any) -> Any:
+def _remapped_rows(reader: Reader, handle: Any) -> Any:
     rows = reader.get("remapped_rows", "nvmlDeviceGetRemappedRows", handle)
     if not _known(rows):
         return rows
@@ -223,16 +281,16 @@ def _remapped_rows(reader: _Reader, handle: Any) -> Any:
     }
 
 
-def _throttle_mask(reader: _Reader, handle: Any) -> Any:
+def _throttle_mask(reader: Reader, handle: Any) -> Any:
     # nvidia-ml-py 12.535+ names them "clocks event reasons"; older releases "throttle reasons".
     if hasattr(reader.nvml, "nvmlDeviceGetCurrentClocksEventReasons"):
         return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksEventReasons", handle)
     return reader.get("throttle_reasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
 
 
-def _device(nvml: Any, index: int) -> tuple[_Reader, Any]:
+def _device(nvml: Any, index: int) -> tuple[Reader, Any]:
     """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
-    reader = _Reader(nvml)
+    reader = Reader(nvml)
     return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
 
 
@@ -248,7 +306,7 @@ def _joules(millijoules: Any) -> Any:
     return round(millijoules / 1000, 3) if _known(millijoules) else millijoules
 
 
-def power_fields(reader: _Reader, handle: Any) -> dict[str, Any]:
+def power_fields(reader: Reader, handle: Any) -> dict[str, Any]:
     """Return draw, enforced limit, the limit's constraints and default (W), and the energy counter (J)."""
     get = reader.get
     limits = get("power_limit_range_w", "nvmlDeviceGetPowerManagementLimitConstraints", handle)
@@ -313,35 +371,37 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
     return gpu
 
 
+def _system_driver(reader: Reader, proc_root: str) -> dict[str, Any]:
+    cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2")
+    if not _known(cuda):
+        cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion")
+    return {
+        "state": "loaded",
+        "loaded": True,
+        "reason": None,
+        "version": _convert(reader.get("version", "nvmlSystemGetDriverVersion"), _text),
+        "nvml_version": _convert(reader.get("nvml_version", "nvmlSystemGetNVMLVersion"), _text),
+        # UNSUPPORTED where the binding predates the call (7.352): torch_build refuses "auto" then.
+        "cuda_driver_version": _convert(cuda, cuda_version_text),
+        "kernel_module_version": kernel_module_version(proc_root),
+        "kernel_module_installed": True,
+        "errors": reader.errors,
+    }
+
+
 def probe_nvml(nvml: Any, proc_root: str = "/proc", modules_root: str = "/lib/modules") -> dict[str, Any]:
-    """Return {driver, count, gpus}; a node without a working driver gives count 0 and says why."""
+    """Return {driver, count, gpus}; a node without a working driver gives count 0 and says why.
+    driver.binding says which NVML binding read it (binding())."""
     try:
-        nvml.nvmlInit()
+        with session(nvml):
+            reader = Reader(nvml)
+            driver = _system_driver(reader, proc_root)
+            count = reader.get("count", "nvmlDeviceGetCount")
+            gpus = [probe_gpu(nvml, index) for index in range(count if _known(count) else 0)]
     except nvml.NVMLError as exc:
-        driver = driver_state_from_error(getattr(exc, "value", None), str(exc), proc_root, modules_root)
-        return {"driver": driver, "count": 0, "gpus": []}
-    try:
-        reader = _Reader(nvml)
-        cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2")
-        if not _known(cuda):
-            cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion")
-        driver = {
-            "state": "loaded",
-            "loaded": True,
-            "reason": None,
-            "version": _convert(reader.get("version", "nvmlSystemGetDriverVersion"), _text),
-            "nvml_version": _convert(reader.get("nvml_version", "nvmlSystemGetNVMLVersion"), _text),
-            "cuda_driver_version": _convert(cuda, cuda_version_text),
-            "kernel_module_version": kernel_module_version(proc_root),
-            "kernel_module_installed": True,
-            "errors": reader.errors,
-        }
-        count = reader.get("count", "nvmlDeviceGetCount")
-        gpus = [probe_gpu(nvml, index) for index in range(count if _known(count) else 0)]
-        return {"driver": driver, "count": len(gpus), "gpus": gpus}
-    finally:
-        with contextlib.suppress(nvml.NVMLError):
-            nvml.nvmlShutdown()
+        driver = driver_state_from_error(error_code(exc), str(exc), proc_root, modules_root)
+        gpus = []
+    return {"driver": {**driver, "binding": binding(nvml)}, "count": len(gpus), "gpus": gpus}
 
 
 # NVML constants of the health watch's reads (nvml.h): the uncorrected volatile ECC counter.
@@ -349,9 +409,16 @@ MEMORY_ERROR_TYPE_UNCORRECTED = 1
 VOLATILE_ECC = 0
 
 
-def _fans(reader: _Reader, handle: Any) -> Any:
-    """Return [{speed_pct, target_pct}] per fan, or UNSUPPORTED (a passive or water-cooled card)."""
+def _fans(reader: Reader, handle: Any) -> Any:
+    """Return [{speed_pct, target_pct}] per fan, or UNSUPPORTED (a passive or water-cooled card).
+
+    Without nvmlDeviceGetNumFans (a binding before 11.450, such as Ubuntu 22.04's 7.352, or a driver
+    library without it) one fan is read with v1 nvmlDeviceGetFanSpeed, without a target: a stopped
+    fan still shows. A passive card answers "not supported" to both."""
     count = reader.get("fans", "nvmlDeviceGetNumFans", handle)
+    if count == UNSUPPORTED:
+        speed = reader.get("fans", "nvmlDeviceGetFanSpeed", handle)
+        return [{"speed_pct": speed, "target_pct": UNSUPPORTED}] if _known(speed) else speed
     if not _known(count):
         return count
     return [
@@ -405,37 +472,32 @@ def health_sample(nvml: Any) -> dict[str, Any]:
     """Return {driver_state, gpus} for one watch pass; no GPU when NVML does not start (the driver's
     state is the probe's to report, the watch then compares nothing)."""
     try:
-        nvml.nvmlInit()
+        with session(nvml):
+            count = Reader(nvml).get("count", "nvmlDeviceGetCount")
+            return {
+                "driver_state": "loaded",
+                "gpus": [health_gpu(nvml, i) for i in range(count if _known(count) else 0)],
+            }
     except nvml.NVMLError as exc:
         return {"driver_state": f"nvmlInit failed: {exc}", "gpus": []}
-    try:
-        count = _Reader(nvml).get("count", "nvmlDeviceGetCount")
-        return {"driver_state": "loaded", "gpus": [health_gpu(nvml, i) for i in range(count if _known(count) else 0)]}
-    finally:
-        with contextlib.suppress(nvml.NVMLError):
-            nvml.nvmlShutdown()
 
 
 def energy_counters(nvml: Any) -> dict[str, float]:
     """Return {uuid: joules since the driver loaded} of every GPU with the total-energy counter (Volta
     and newer; power_fields' energy_total_j): what a job's unit records at its start
     (roles/torchrun/files/budgetgpu-job-energy). NVML failing to start gives {}."""
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError:
-        return {}
     counters = {}
     try:
-        count = _Reader(nvml).get("count", "nvmlDeviceGetCount")
-        for index in range(count if _known(count) else 0):
-            reader, handle = _device(nvml, index)
-            if not _known(handle):
-                continue
-            uuid = reader.get("uuid", "nvmlDeviceGetUUID", handle)
-            joules = _joules(reader.get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle))
-            if _known(uuid) and _known(joules):
-                counters[_text(uuid)] = joules
-    finally:
-        with contextlib.suppress(nvml.NVMLError):
-            nvml.nvmlShutdown()
+        with session(nvml):
+            count = Reader(nvml).get("count", "nvmlDeviceGetCount")
+            for index in range(count if _known(count) else 0):
+                reader, handle = _device(nvml, index)
+                if not _known(handle):
+                    continue
+                uuid = reader.get("uuid", "nvmlDeviceGetUUID", handle)
+                joules = _joules(reader.get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle))
+                if _known(uuid) and _known(joules):
+                    counters[_text(uuid)] = joules
+    except nvml.NVMLError:
+        return {}
     return counters
