@@ -412,9 +412,9 @@ VOLATILE_ECC = 0
 def _fans(reader: Reader, handle: Any) -> Any:
     """Return [{speed_pct, target_pct}] per fan, or UNSUPPORTED (a passive or water-cooled card).
 
-    Without nvmlDeviceGetNumFans (a binding before 11.450, such as Ubuntu 22.04's 7.352, or a driver
-    library without it) one fan is read with v1 nvmlDeviceGetFanSpeed, without a target: a stopped
-    fan still shows. A passive card answers "not supported" to both."""
+    Without nvmlDeviceGetNumFans (bindings up to 11.450.51, Ubuntu 22.04's 7.352 among them, or a
+    driver library without it) one fan is read with v1 nvmlDeviceGetFanSpeed, without a target: a
+    stopped fan still shows. A passive card answers "not supported" to both."""
     count = reader.get("fans", "nvmlDeviceGetNumFans", handle)
     if count == UNSUPPORTED:
         speed = reader.get("fans", "nvmlDeviceGetFanSpeed", handle)

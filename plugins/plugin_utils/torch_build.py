@@ -15,6 +15,13 @@ from typing import Any
 # choices (a unit test keeps the two equal).
 KNOWN_VARIANTS: tuple[str, ...] = ("auto", "cpu", "cu118", "cu121", "cu124", "cu126", "cu128", "cu129", "cu130")
 
+# driver_cuda's answer for GPUs whose driver's CUDA version the NVML binding could not read.
+UNREADABLE = "unreadable"
+_UNREADABLE_ADVICE = (
+    "install nvidia-ml-py 10.418 or newer for the Python that runs the modules (Ubuntu 22.04's "
+    "python3-pynvml is 7.352, from 2016), or set the variant to the CUDA build the driver runs (such as cu128)"
+)
+
 _VARIANT = re.compile(r"^cu(\d+)(\d)$")
 _CUDA = re.compile(r"^\s*(\d+)\.(\d+)")
 
@@ -45,11 +52,19 @@ def torch_variant(requested: str, driver_cuda: Any = None, candidates: list[str]
     variants published for the pinned torch version (candidates), the newest one the driver
     runs: built for a CUDA version not above the driver's. When every candidate is newer than
     the driver but shares its major version, the oldest such one is taken (CUDA's minor
-    version compatibility). No driver, or a driver older than every candidate: "cpu".
+    version compatibility). No driver, or a driver older than every candidate: "cpu". GPUs whose
+    driver's CUDA version could not be read (UNREADABLE): ValueError, never "cpu"
+    (torch_variant_problem says why, naming the binding, before anything uses this).
     """
     _check_known(requested)
     if requested != "auto":
         return requested
+    if driver_cuda == UNREADABLE:
+        raise ValueError(
+            "torch variant auto: the node's NVIDIA driver lists GPUs but its CUDA version could not be read, "
+            "so no torch build can be chosen (auto never installs the CPU build on GPUs): "
+            f"{_UNREADABLE_ADVICE}"
+        )
     driver = parse_cuda_version(driver_cuda)
     if driver is None:
         return "cpu"
@@ -67,20 +82,47 @@ def torch_variant(requested: str, driver_cuda: Any = None, candidates: list[str]
     return same_major[0] if same_major else "cpu"
 
 
-def torch_variant_problem(variant: str, driver_cuda: Any = None) -> str:
+def binding_text(binding: Any) -> str:
+    """Return how messages name the NVML binding gpu_facts read with (driver.binding):
+    "pynvml 7.352.0 (nvidia-ml-py3, /usr/lib/python3/dist-packages/pynvml.py)"."""
+    if not isinstance(binding, dict):
+        return "an NVML binding gpu_facts did not name"
+    version = binding.get("version") or "of unknown version"
+    where = ", ".join(str(part) for part in (binding.get("distribution"), binding.get("path")) if part)
+    return f"{binding.get('module') or 'pynvml'} {version}" + (f" ({where})" if where else "")
+
+
+def _unreadable_problem(gpus_fact: Any) -> str:
+    fact = gpus_fact if isinstance(gpus_fact, dict) else {}
+    driver, count = fact.get("driver") or {}, fact.get("count")
+    read = driver.get("cuda_driver_version")
+    error = (driver.get("errors") or {}).get("cuda_driver_version")
+    return (
+        f"the node has {count} NVIDIA GPU(s) with driver {driver.get('version') or '(version unknown)'} loaded, but "
+        f"{binding_text(driver.get('binding'))} cannot read the driver's CUDA version (NVML "
+        f"nvmlSystemGetCudaDriverVersion: {error or read}), so auto cannot choose a torch build and will not "
+        f"install the CPU build on GPUs: {_UNREADABLE_ADVICE}"
+    )
+
+
+def torch_variant_problem(variant: str, driver_cuda: Any = None, gpus_fact: Any = None) -> str:
     """Return why a wheel variant cannot run on a driver, or "" when it can (or no driver is known).
 
     A CUDA build runs on a driver of the same major CUDA version or newer (minor version
-    compatibility covers a newer minor within one major).
+    compatibility covers a newer minor within one major). "auto" on GPUs whose driver's CUDA
+    version could not be read (driver_cuda UNREADABLE) is refused, naming the NVML binding from
+    gpus_fact (gpu_facts' budgetgpu_gpus).
     """
     _check_known(variant)
+    if variant == "auto":
+        return _unreadable_problem(gpus_fact) if driver_cuda == UNREADABLE else ""
     built_for = variant_cuda(variant)
     driver = parse_cuda_version(driver_cuda)
     if built_for is None or driver is None or built_for[0] <= driver[0]:
         return ""
     return (
         f"torch variant {variant} needs a driver for CUDA {built_for[0]}.x or newer, "
-        f"the driver supports CUDA {driver[0]}.{driver[1]}"
+        f'the driver supports CUDA {driver[0]}.{driver[1]}: choose an older variant, "auto", or upgrade the driver'
     )
 
 
@@ -103,14 +145,19 @@ def torch_pip_index(variant: str, index_base: str = "https://download.pytorch.or
 
 def driver_cuda(gpus_fact: Any, simulated: Any = False) -> str | None:
     """Return the CUDA version the node's loaded driver runs, from the probe's budgetgpu_gpus fact;
-    None without a loaded driver. Simulated GPUs have a "driver" but no CUDA: their nodes train on CPU."""
+    None without a loaded driver. Simulated GPUs have a "driver" but no CUDA: their nodes train on CPU.
+    UNREADABLE where the loaded driver lists GPUs but the version could not be read (an NVML binding
+    without nvmlSystemGetCudaDriverVersion, such as Ubuntu 22.04's 7.352): not a node without GPUs."""
     if not isinstance(gpus_fact, dict) or _truthy(simulated):
         return None
     driver = gpus_fact.get("driver") or {}
     if not driver.get("loaded"):
         return None
     version = driver.get("cuda_driver_version")
-    return None if version in (None, "") else str(version)
+    if parse_cuda_version(version) is not None:
+        return str(version)
+    count = gpus_fact.get("count")
+    return UNREADABLE if isinstance(count, int) and count > 0 else None
 
 
 def _truthy(value: Any) -> bool:

@@ -78,7 +78,8 @@ def test_unknown_candidate_is_refused():
 
 def test_variant_problem():
     assert torch_variant_problem("cu130", "12.8") == (
-        "torch variant cu130 needs a driver for CUDA 13.x or newer, the driver supports CUDA 12.8"
+        "torch variant cu130 needs a driver for CUDA 13.x or newer, the driver supports CUDA 12.8: "
+        'choose an older variant, "auto", or upgrade the driver'
     )
     assert torch_variant_problem("cu128", "12.2") == ""
     assert torch_variant_problem("cu128", None) == ""

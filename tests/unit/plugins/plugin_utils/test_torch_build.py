@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (
+    UNREADABLE,
     driver_cuda,
     nccl_cuda_major,
     nccl_package,
     torch_variant,
+    torch_variant_problem,
 )
 
 REPO = Path(__file__).resolve().parents[4]
@@ -65,6 +67,11 @@ def test_nccl_cuda_major_needs_a_resolved_variant():
         ({"driver": {"loaded": False, "cuda_driver_version": "13.0"}}, False, None),
         ({}, False, None),
         (None, False, None),
+        # A binding without nvmlSystemGetCudaDriverVersion (7.352) on a node with GPUs: not "no driver".
+        ({"driver": {"loaded": True, "cuda_driver_version": "unsupported"}, "count": 4}, False, UNREADABLE),
+        ({"driver": {"loaded": True, "cuda_driver_version": None}, "count": 1}, False, UNREADABLE),
+        ({"driver": {"loaded": True, "cuda_driver_version": "unsupported"}, "count": 0}, False, None),
+        ({"driver": {"loaded": True, "cuda_driver_version": "unsupported"}, "count": 4}, True, None),
     ],
 )
 def test_driver_cuda(fact, simulated, expected):
@@ -76,3 +83,44 @@ def test_cuda_role_reads_the_same_torch_candidates_as_python_env():
     cuda = (REPO / "roles/cuda/defaults/main.yml").read_text()
     assert python_env["python_env_torch_cuda_variants"] == PUBLISHED
     assert f"python_env_torch_cuda_variants | default({PUBLISHED!r})".replace('"', "'") in cuda.replace('"', "'")
+
+
+UBUNTU_2204 = {
+    "driver": {
+        "loaded": True,
+        "version": "535.247.01",
+        "cuda_driver_version": "unsupported",
+        "errors": {},
+        "binding": {
+            "module": "pynvml",
+            "distribution": "nvidia-ml-py3",
+            "version": "7.352.0",
+            "path": "/usr/lib/python3/dist-packages/pynvml.py",
+        },
+    },
+    "count": 4,
+}
+
+
+def test_auto_refuses_gpus_whose_cuda_cannot_be_read_and_never_takes_the_cpu_build():
+    cuda = driver_cuda(UBUNTU_2204)
+    with pytest.raises(ValueError, match="never installs the CPU build on GPUs"):
+        torch_variant("auto", cuda, PUBLISHED)
+    problem = torch_variant_problem("auto", cuda, UBUNTU_2204)
+    assert problem.startswith("the node has 4 NVIDIA GPU(s) with driver 535.247.01 loaded, but pynvml 7.352.0 ")
+    assert "(nvidia-ml-py3, /usr/lib/python3/dist-packages/pynvml.py) cannot read the driver's CUDA version" in problem
+    assert "nvmlSystemGetCudaDriverVersion: unsupported" in problem
+    assert "install nvidia-ml-py 10.418 or newer" in problem and "such as cu128" in problem
+
+
+def test_an_explicit_variant_on_an_unreadable_driver_is_the_users_choice():
+    cuda = driver_cuda(UBUNTU_2204)
+    assert torch_variant("cu128", cuda, PUBLISHED) == "cu128"
+    assert torch_variant_problem("cu128", cuda, UBUNTU_2204) == ""
+
+
+def test_a_node_without_nvidia_gpus_keeps_the_cpu_build():
+    for fact in ({}, {"driver": {"loaded": False, "state": "no_driver"}, "count": 0}):
+        cuda = driver_cuda(fact)
+        assert torch_variant("auto", cuda, PUBLISHED) == "cpu"
+        assert torch_variant_problem("auto", cuda, fact) == ""
