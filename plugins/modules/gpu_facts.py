@@ -20,6 +20,10 @@ description:
     succeeds; RV(ansible_facts.budgetgpu_gpus.driver) says which, and why.
   - A field the GPU does not support is the string C(unsupported), never an error. A field
     that failed for another reason is C(null), with NVML's message under the GPU's C(errors).
+  - Any nvidia-ml-py binding works, field by field, the distro's included (Ubuntu 22.04's 7.352,
+    Debian 12's 11.525, Ubuntu 24.04's 12.535); a call the binding or the driver's library lacks reads
+    C(unsupported) like a field the GPU lacks (7.352 cannot read the CUDA driver version, the compute
+    capability, energy, MIG, remapped rows, NVLink or the fan count). CONTRIBUTING lists each field.
   - Returns C(ansible_facts.budgetgpu_gpus); never reports C(changed).
 author:
   - budgetgpu maintainers (!UNKNOWN)
@@ -130,7 +134,10 @@ ansible_facts:
               returned: always
               sample: "13.580.159.04"
             cuda_driver_version:
-              description: Highest CUDA version the driver supports; null when not loaded.
+              description:
+                - Highest CUDA version the driver supports; null when not loaded.
+                - C(unsupported) where the binding has no C(nvmlSystemGetCudaDriverVersion) (7.352), and
+                  C(python_env_torch_variant=auto) then refuses rather than install the CPU build.
               type: str
               returned: always
               sample: "13.0"
@@ -149,6 +156,15 @@ ansible_facts:
               type: dict
               returned: always
               sample: {}
+            binding:
+              description:
+                - The NVML binding that read these facts (the C(pynvml) module, the distribution that
+                  installed it and its version); null without one (C(no_pynvml)).
+                - Its version and distribution are null where no package metadata lies beside it.
+              type: dict
+              returned: always
+              sample: {module: pynvml, distribution: nvidia-ml-py3, version: 7.352.0,
+                       path: /usr/lib/python3/dist-packages/pynvml.py}
         count:
           description: Number of GPUs NVML reports (0 when the driver is not loaded).
           type: int
@@ -376,6 +392,7 @@ def missing_pynvml_facts(reason: str) -> dict:
         "kernel_module_version": None,
         "kernel_module_installed": None,
         "errors": {},
+        "binding": None,
     }
     return {"driver": driver, "count": 0, "gpus": []}
 
