@@ -284,7 +284,9 @@ class StepTimer:
         self.times: list[RankTime] = []
         self.times_steps = 0
         self.comm_state: Any = None  # the compression hook's state (PowerSGD's error feedback)
-        self._step_start = time.perf_counter()
+        # A step's wall time runs from its first timed part to step_done(): what a loop does between
+        # steps (logging, checkpoints, a deliberate sleep, a loader starting) is no step's.
+        self._step_start: float | None = None
         self._ready: Any = None  # when the last bucket of this backward was ready (the hook's mark)
 
     @classmethod
@@ -300,8 +302,13 @@ class StepTimer:
     def device_type(self) -> str:
         return getattr(self.device, "type", str(self.device))
 
+    def _begin(self) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+
     def _mark(self) -> Any:
         """A point in time: on a GPU an event in its stream (the host runs ahead of the kernels)."""
+        self._begin()
         if self.device_type == "cuda":
             import torch
 
@@ -326,6 +333,7 @@ class StepTimer:
     @contextmanager
     def data(self) -> Iterator[None]:
         """Time the block as waiting for data (fetching the next batch from the loader)."""
+        self._begin()
         start = time.perf_counter()
         yield
         self.sums[DATA] += time.perf_counter() - start
@@ -354,19 +362,12 @@ class StepTimer:
         for index in range(self.accumulate_steps):
             yield self.forward_backward(ddp, sync=index == self.accumulate_steps - 1)
 
-    @contextmanager
-    def idle(self) -> Iterator[None]:
-        """Leave the block out of the step time (checkpoints, a deliberate sleep)."""
-        start = time.perf_counter()
-        yield
-        self._step_start += time.perf_counter() - start
-
     def step_done(self) -> str | None:
         """Count a step; every `every` steps gather the ranks' times and return rank 0's line (None on
         other ranks, between reports, with `every` 0, or alone: no one to compare with)."""
         now = time.perf_counter()
-        self.sums[WALL] += now - self._step_start
-        self._step_start = now
+        self.sums[WALL] += now - (now if self._step_start is None else self._step_start)
+        self._step_start = None
         self.window_steps += 1
         if self.every <= 0 or self.window_steps < self.every:
             return None
@@ -374,7 +375,6 @@ class StepTimer:
         finding = slowest_against_median(self.times, self.window_steps, self.threshold) if self.times else None
         self.last = finding
         self.sums, self.window_steps = [0.0, 0.0, 0.0, 0.0], 0
-        self._step_start = time.perf_counter()  # the gather is not a step's
         return finding.line if finding else None
 
     def window_status(self) -> dict[str, Any]:
@@ -425,6 +425,11 @@ def compression_hook(settings: CommSettings, process_group: Any = None) -> tuple
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if settings.gradient_compression == "powersgd":
+        try:
+            import numpy  # noqa: F401  # PowerSGDState seeds its random projections with numpy
+        except ImportError:
+            why = "gradient_compression powersgd needs numpy in the job's venv (python_env installs it)"
+            raise ValueError(why) from None
         state = powerSGD_hook.PowerSGDState(
             process_group=process_group,
             matrix_approximation_rank=settings.powersgd_rank,

@@ -507,12 +507,11 @@ def train(args: argparse.Namespace) -> int:
         if ctx.rank == 0 and (step % args.log_every == 0 or line):
             progress.report(step, loss, step % args.log_every == 0)
         now = time.monotonic()
-        with timer.idle():
-            if writer and policy.due(step, now):
-                checkpoint()
-                policy.saved(step, now)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+        if writer and policy.due(step, now):
+            checkpoint()
+            policy.saved(step, now)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # between steps: in no step's time (StepTimer)
     if writer and policy.last_step != step:
         checkpoint(" (stop requested)" if stop.stopping else " (final)")
     return leave(ctx, stop, step)
