@@ -104,10 +104,14 @@ def job_samples(
             if isinstance(rank, dict) and _number(rank.get("rank")) is not None:
                 rank_labels = {"job": job, "rank": str(rank["rank"]), "node": str(rank.get("host") or "")}
                 out.append(("budgetgpu_job_step_seconds", rank_labels, _number(rank.get("step_s"))))
-                for part, key in (("compute", "step_s"), ("communication", "comm_s"), ("data", "data_s")):
-                    part_labels = {**rank_labels, "part": part}
-                    out.append(("budgetgpu_job_step_breakdown_seconds", part_labels, _number(rank.get(key))))
-                out.append(("budgetgpu_job_step_wall_seconds", rank_labels, _number(rank.get("wall_s"))))
+                parts = {"compute": "step_s", "communication": "comm_s", "data": "data_s", "wall": "wall_s"}
+                values = {part: _number(rank.get(key)) for part, key in parts.items()}
+                if None in values.values():
+                    continue  # a status from before the breakdown: its parts alone would mislead
+                wall = values.pop("wall")
+                for part, value in values.items():
+                    out.append(("budgetgpu_job_step_breakdown_seconds", {**rank_labels, "part": part}, value))
+                out.append(("budgetgpu_job_step_wall_seconds", rank_labels, wall))
     out += [
         ("budgetgpu_job_last_step", labels, _number(status.get("step"))),
         ("budgetgpu_job_restarts", labels, _number(status.get("restarts"))),
