@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
            "-e", "MASTER_ADDR=10.231.227.11", "-e", f"MASTER_PORT={PORT}", "-e", "WORLD_SIZE=4"]  # fmt: skip
     worker = ["python3", "/opt/bench/bench_scaling_worker.py", "--code", "/opt/code", "--deadline", str(deadline),
               "--rounds", str(args.rounds), "--global-batch", str(args.global_batch), "--steps", str(args.steps),
-              "--hidden", str(args.hidden), "--layers", str(args.layers)]  # fmt: skip
+              "--hidden", str(args.hidden), "--layers", str(args.layers), "--ratios", args.ratios,
+              "--options4", args.options4, "--options2", args.options2]  # fmt: skip
     logs = [Path(f"{args.out}.rank{rank}.log") for rank in range(len(NODES))]
     procs = []
     for rank, (name, log) in enumerate(zip(NODES, logs, strict=True)):
@@ -132,6 +133,9 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=2048, help="the trainer's --hidden")
     parser.add_argument("--layers", type=int, default=3, help="the trainer's --layers")
+    parser.add_argument("--ratios", default="0.1,0.6", help="all-reduce over forward+backward time to shape for")
+    parser.add_argument("--options4", default="legacy,ddp,ddp+timer,fp16,powersgd,bucket5,bucket100,accumulate2")
+    parser.add_argument("--options2", default="legacy,ddp,fp16,powersgd")
     parser.add_argument("--torch-dir", type=Path, default=Path("/tmp/budgetgpu-scaling-torch"))
     args = parser.parse_args()
     if args.table:

@@ -37,6 +37,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ratios", default="0.1,0.6")
     parser.add_argument("--deadline", type=float, required=True, help="epoch seconds: no round starts after it")
+    parser.add_argument("--options4", default=",".join(OPTIONS_4), help="the 4-node rows")
+    parser.add_argument("--options2", default=",".join(OPTIONS_2), help="the 2-node rows (at the last ratio)")
     return parser.parse_args()
 
 
@@ -233,11 +235,12 @@ def main() -> int:
         bench.dist.broadcast(go, src=0)
         if not int(go.item()):
             break
-        shift = round_ % len(OPTIONS_4)  # rotate the order: no option always first after a reshape
+        shift = round_  # rotate the order: no option always first after a reshape
         for ratio in ratios:
             shape(rates[ratio])
             bench.dist.barrier()
-            blocks = ((4, OPTIONS_4), (2, OPTIONS_2)) if ratio == ratios[-1] else ((4, OPTIONS_4),)
+            four, two = args.options4.split(","), [o for o in args.options2.split(",") if o]
+            blocks = ((4, four), (2, two)) if ratio == ratios[-1] else ((4, four),)
             for nodes, options in blocks:
                 for option in options[shift % len(options) :] + options[: shift % len(options)]:
                     row = bench.run(option, nodes)
