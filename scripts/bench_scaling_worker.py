@@ -141,7 +141,7 @@ class Bench:
         for step in range(self.args.warmup + self.args.steps):
             if step == self.args.warmup:
                 dist.barrier(group=group) if nodes > 1 else None
-                timer.sums, timer.window_steps = [0.0] * 4, 0
+                timer.sums, timer.window_steps, timer._step_start = [0.0] * 4, 0, None  # warm-up: no step's
             started = time.perf_counter()
             if option == "legacy" and nodes > 1:
                 self.legacy_step(model, optimizer, data, timer, group, nodes)
