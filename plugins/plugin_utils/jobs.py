@@ -497,8 +497,9 @@ def _breakdown_ranks(status: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _comm_advice(status: Mapping[str, Any]) -> str:
-    """The levers against communication not hidden, the fastest first (docs/benchmarks/scaling.md),
-    leaving out what the job runs already and what its backend cannot run (bf16 wants NCCL)."""
+    """The levers against communication not hidden, the fewest bytes on the wire first (PowerSGD, then
+    half precision; docs/benchmarks/scaling.md is to confirm the order on a free machine), leaving out
+    what the job runs already and what its backend cannot run (bf16 wants NCCL)."""
     backend, compression = status.get("backend"), status.get("gradient_compression") or "none"
     per = "GPU" if backend == "nccl" else "process"
     levers = []
