@@ -35,7 +35,7 @@ def train(base: torch.nn.Module, settings: helper.CommSettings, rank: int, slow_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     timer = helper.StepTimer(rank, 2, torch.device("cpu"), every=STEPS, local_rank=rank)
     ddp, timer = helper.wrap_ddp(model, "cpu", settings, timer=timer)
-    args = train_ddp.parse_args(["--batch-size", "32", "--max-steps", str(STEPS), "--data-workers", "1"])
+    args = train_ddp.parse_args(["--batch-size", "64", "--max-steps", str(STEPS), "--data-workers", "1"])
     data = iter(train_ddp.batches(args, rank, 0, settings.accumulate_steps))
     losses, line = [], None
     for _step in range(STEPS):
@@ -54,7 +54,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    base = train_ddp.make_model(256, 0, layers=1)
+    base = train_ddp.make_model(384, 0, layers=1)  # steps long enough that a loaded machine shows little
     found = {name: train(base, settings, rank) for name, settings in OPTIONS.items()}
     found["slow rank 1"] = train(base, helper.CommSettings(), rank, slow_s=0.15)  # a loaded CI machine too
     try:
