@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import step_verdict
 
 torch = pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
 
@@ -92,5 +93,8 @@ def test_the_trainer_takes_the_jobs_settings_and_writes_the_breakdown(tmp_path):
     assert status["gradient_compression"] == "powersgd" and status["accumulate_steps"] == 2
     assert status["backend"] == "gloo" and status["step"] == 10
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and all(adds_up(r) for r in status["ranks"])
-    # Two micro-batches of 20 ms each per step from one loader worker: the rank waits for data.
-    assert all(r["data_s"] > 0.02 for r in status["ranks"]), status["ranks"]
+    # Two micro-batches of 20 ms each per step from one loader worker, which runs ahead only while the
+    # rank computes (a few ms here): the rank waits for data, and the verdict says so.
+    assert all(r["data_s"] > 0.01 for r in status["ranks"]), status["ranks"]
+    assert any(" waits " in line and "for data: the data loader does not keep up" in line
+               for line in step_verdict(status)), status  # fmt: skip
