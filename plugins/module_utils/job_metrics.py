@@ -45,6 +45,13 @@ METRICS = {
         "Each rank's compute seconds per step (forward and backward, apart from the all-reduce) "
         "over the last straggler report window.",
     ),
+    "budgetgpu_job_step_breakdown_seconds": (
+        "gauge",
+        "Each rank's seconds per step by part over the last report window: compute (forward, backward, "
+        "optimizer), communication (not hidden by compute, waiting for slower ranks too), data (waiting "
+        "for the next batch).",
+    ),
+    "budgetgpu_job_step_wall_seconds": ("gauge", "Each rank's seconds per step, end to end, over the last window."),
     "budgetgpu_job_world_size": ("gauge", "Ranks of the job."),
     "budgetgpu_job_last_step": ("gauge", "The last step rank 0 reported."),
     "budgetgpu_job_restarts": ("gauge", "Times torchrun restarted the job's workers (in this unit run)."),
@@ -97,6 +104,14 @@ def job_samples(
             if isinstance(rank, dict) and _number(rank.get("rank")) is not None:
                 rank_labels = {"job": job, "rank": str(rank["rank"]), "node": str(rank.get("host") or "")}
                 out.append(("budgetgpu_job_step_seconds", rank_labels, _number(rank.get("step_s"))))
+                parts = {"compute": "step_s", "communication": "comm_s", "data": "data_s", "wall": "wall_s"}
+                values = {part: _number(rank.get(key)) for part, key in parts.items()}
+                if None in values.values():
+                    continue  # a status from before the breakdown: its parts alone would mislead
+                wall = values.pop("wall")
+                for part, value in values.items():
+                    out.append(("budgetgpu_job_step_breakdown_seconds", {**rank_labels, "part": part}, value))
+                out.append(("budgetgpu_job_step_wall_seconds", rank_labels, wall))
     out += [
         ("budgetgpu_job_last_step", labels, _number(status.get("step"))),
         ("budgetgpu_job_restarts", labels, _number(status.get("restarts"))),

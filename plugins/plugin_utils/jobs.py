@@ -20,6 +20,11 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     max_restarts: 3
     checkpoint_every_minutes: 15
     straggler_every_steps: 200          # rank 0 names the slowest rank every N steps; 0: off
+    gradient_compression: none          # fp16, bf16 (NCCL only) or powersgd: DDP's communication hook
+    powersgd_rank: 1                    # PowerSGD's matrix rank, and the step it starts at
+    powersgd_start_step: 1000
+    bucket_cap_mb: 25                   # DDP's gradient bucket size
+    accumulate_steps: 1                 # micro-batches per optimizer step (no_sync on all but the last)
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]*[$]?$")
 RENDEZVOUS = ("c10d", "static")
 BACKENDS = ("auto", "nccl", "gloo")
 STATES = ("started", "stopped", "absent")
+# DDP communication hooks a job may ask for (budgetgpu_straggler.COMPRESSIONS; a unit test holds them
+# equal). bf16 needs NCCL: torch's bf16 hook refuses gloo.
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+NCCL_ONLY_COMPRESSIONS = ("bf16",)
 UNIT_PREFIX = "budgetgpu-job-"
 
 # The built-in default of every optional key: the one place job defaults live (the torchrun role's
@@ -65,6 +74,13 @@ JOB_DEFAULTS: dict[str, Any] = {
     # Every N steps the ranks' compute times are compared and rank 0 logs the slowest against the
     # median (budgetgpu_straggler; BUDGETGPU_STRAGGLER_EVERY_STEPS); 0 turns it off.
     "straggler_every_steps": 200,
+    # The levers for slow links (budgetgpu_straggler.CommSettings reads them from the unit's
+    # environment): DDP's communication hook, its bucket size, gradient accumulation.
+    "gradient_compression": "none",
+    "powersgd_rank": 1,
+    "powersgd_start_step": 1000,
+    "bucket_cap_mb": 25,
+    "accumulate_steps": 1,
     "environment": {},
     "user": "budgetgpu",
     "backend": "auto",
@@ -110,14 +126,18 @@ def torchrun_job_normalize(
         "rendezvous_timeout",
         "checkpoint_every_steps",
         "straggler_every_steps",
+        "powersgd_rank",
+        "powersgd_start_step",
+        "accumulate_steps",
         "nproc_per_node",
     ):
         value = merged.get(key)
         if isinstance(value, str) and value.strip().isdigit():
             merged[key] = int(value)
-    minutes = merged.get("checkpoint_every_minutes")
-    if isinstance(minutes, str) and re.fullmatch(r"\d+(\.\d*)?", minutes.strip()):
-        merged["checkpoint_every_minutes"] = float(minutes)
+    for key in ("checkpoint_every_minutes", "bucket_cap_mb"):
+        value = merged.get(key)
+        if isinstance(value, str) and re.fullmatch(r"\d+(\.\d*)?", value.strip()):
+            merged[key] = float(value)
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
         merged["workdir"] = f"{STATE_ROOT}/{name}"
@@ -335,6 +355,12 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
         "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
         "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
         "BUDGETGPU_STRAGGLER_EVERY_STEPS": str(job["straggler_every_steps"]),
+        # DDP's communication settings (budgetgpu_straggler.CommSettings.from_env).
+        "BUDGETGPU_GRADIENT_COMPRESSION": str(job["gradient_compression"]),
+        "BUDGETGPU_POWERSGD_RANK": str(job["powersgd_rank"]),
+        "BUDGETGPU_POWERSGD_START_STEP": str(job["powersgd_start_step"]),
+        "BUDGETGPU_BUCKET_CAP_MB": str(job["bucket_cap_mb"]),
+        "BUDGETGPU_ACCUMULATE_STEPS": str(job["accumulate_steps"]),
         # Rank 0 writes the job's status here; train.yml -e job_state=status reads it.
         "BUDGETGPU_STATUS_FILE": f"{job['state_dir']}/{STATUS_FILE}",
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),
@@ -449,6 +475,72 @@ def _slurped_json(result: Mapping[str, Any] | None) -> Any:
         return None
 
 
+# The verdict on a step breakdown (rank 0's status: each rank's compute, communication not hidden and
+# data wait per step). A rank waiting this share of its step for data has a loader that does not keep
+# up (the guide gained 15% from a faster CPU); communication not hidden on every rank from this share
+# on is worth a lever (the guide: 5 ms of 50 ms at 4 GPUs is fine, 30 ms of 50 loses 60%).
+DATA_WAIT_FLAG = 0.10
+COMM_FLAG = 0.20
+
+
+def _breakdown_ranks(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The ranks of a status with a whole breakdown: step_s (compute), comm_s, data_s, wall_s > 0."""
+    keys = ("step_s", "comm_s", "data_s", "wall_s")
+    ranks = []
+    for rank in status.get("ranks") or []:
+        if not isinstance(rank, Mapping):
+            continue
+        values = [rank.get(k) for k in keys]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in values) and values[3] > 0:
+            ranks.append(dict(rank))
+    return ranks
+
+
+def _comm_advice(status: Mapping[str, Any]) -> str:
+    """The levers against communication not hidden, the fewest bytes on the wire first (PowerSGD, then
+    half precision; docs/benchmarks/scaling.md is to confirm the order on a free machine), leaving out
+    what the job runs already and what its backend cannot run (bf16 wants NCCL)."""
+    backend, compression = status.get("backend"), status.get("gradient_compression") or "none"
+    per = "GPU" if backend == "nccl" else "process"
+    levers = []
+    if compression != "powersgd":
+        levers.append("gradient_compression: powersgd")
+    if compression == "none":
+        levers.append("fp16 (bf16 on NCCL)" if backend == "nccl" else "fp16")
+    levers.append(f"a larger batch per {per}")
+    accumulate = status.get("accumulate_steps")
+    levers.append(
+        f"accumulate_steps above {accumulate}" if isinstance(accumulate, int) and accumulate > 1 else "accumulate_steps"
+    )
+    return ", ".join(levers[:-1]) + f", or {levers[-1]}"
+
+
+def step_verdict(status: Mapping[str, Any] | None) -> list[str]:
+    """Return the lines job_state=status prints about where a job's step time goes, from rank 0's
+    breakdown alone ([] without one): the median rank's split, then what to change when one part
+    dominates: the worst rank's data wait, communication not hidden on every rank."""
+    ranks = _breakdown_ranks(status or {})
+    if not ranks or not isinstance(status, Mapping):
+        return []
+    shares = [(r["step_s"] / r["wall_s"], r["comm_s"] / r["wall_s"], r["data_s"] / r["wall_s"], r) for r in ranks]
+    middle = sorted(shares, key=lambda s: s[3]["wall_s"])[len(shares) // 2]
+    lines = [
+        f"step time {middle[3]['wall_s']:.3f} s (median of {len(ranks)} ranks): compute {middle[0]:.0%}, "
+        f"communication not hidden {middle[1]:.0%}, waiting for data {middle[2]:.0%}"
+    ]
+    worst = max(shares, key=lambda s: (s[2], -int(s[3].get("rank") or 0)))
+    if worst[2] >= DATA_WAIT_FLAG:
+        where = f"{worst[3].get('host') or '?'} rank {worst[3].get('rank')}"
+        lines.append(
+            f"{where} waits {worst[2]:.0%} of each step for data: the data loader does not keep up "
+            "(more workers, or a faster CPU: the guide saw 15%)"
+        )
+    hidden_least = min(s[1] for s in shares)  # the slowest rank waits least for the others
+    if len(ranks) > 1 and hidden_least >= COMM_FLAG:
+        lines.append(f"communication not hidden by compute: {hidden_least:.0%} of a step; try {_comm_advice(status)}")
+    return lines
+
+
 def torchrun_job_status(
     job: Mapping[str, Any],
     unit: Mapping[str, str] | None,
@@ -477,7 +569,7 @@ def torchrun_job_status(
         state = "no unit"
     lines = [f"job {job.get('name')}: unit {job.get('unit')} {state}, restarts {unit.get('NRestarts', '?')}"]
     result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None}
-    result["straggler"] = ""
+    result["straggler"], result["verdict"] = "", []
     if isinstance(status, Mapping):
         result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"))
         result["straggler"] = status.get("straggler") or ""
@@ -487,6 +579,8 @@ def torchrun_job_status(
             f"(rank 0's status of {age:.0f} s ago)"
         )
         lines.append(result["straggler"] or "straggler: no report yet")
+        result["verdict"] = step_verdict(status)
+        lines += result["verdict"]
     else:
         lines.append("no status from rank 0 on this node (rank 0 writes it on the job's master)")
     run = energy.job_run_energy(

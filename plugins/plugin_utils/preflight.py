@@ -31,12 +31,15 @@ from typing import Any
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import expectation_findings
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     BACKENDS,
+    COMPRESSIONS,
     ENV_NAME,
     JOB_KEYS,
     JOB_NAME,
+    NCCL_ONLY_COMPRESSIONS,
     RENDEZVOUS,
     STATES,
     USER_NAME,
+    job_backend,
     job_hosts,
     job_master,
     job_node_ranks,
@@ -156,6 +159,26 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
         yield "straggler_every_steps", straggler, "steps, 0 (off) or more", ""
 
 
+def _bad_comm(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """DDP's communication settings: compression, PowerSGD's rank and start, bucket size, accumulation."""
+    compression = job.get("gradient_compression")
+    if compression not in COMPRESSIONS:
+        hint = "fp16 halves the bytes on the wire (bf16 on NCCL), powersgd cuts them further"
+        yield "gradient_compression", compression, f"one of {', '.join(COMPRESSIONS)}", hint
+    for field, least, what in (
+        ("powersgd_rank", 1, "a matrix rank of 1 or more"),
+        # torch's PowerSGD needs plain all-reduce steps before it starts (error feedback, warm start).
+        ("powersgd_start_step", 2, "a step of 2 or more"),
+        ("accumulate_steps", 1, "micro-batches per step, 1 (none) or more"),
+    ):
+        value = job.get(field)
+        if not _is_int(value) or value < least:
+            yield field, value, what, ""
+    bucket = job.get("bucket_cap_mb")
+    if isinstance(bucket, bool) or not isinstance(bucket, int | float) or bucket <= 0:
+        yield "bucket_cap_mb", bucket, "megabytes, more than 0 (DDP's default is 25)", ""
+
+
 def _bad_environment(env: Any) -> Iterator[Bad]:
     if not isinstance(env, Mapping):
         yield "environment", env, "a dict of variable names to values", ""
@@ -198,7 +221,7 @@ def _check_job_fields(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -
     label = str(job["name"]) if job.get("name") else None
     hosts = job_hosts(job, groups)
     where = _where(hosts)
-    bads = [*_bad_identity(job, groups), *_bad_numbers(job), *_bad_runtime(job)]
+    bads = [*_bad_identity(job, groups), *_bad_numbers(job), *_bad_comm(job), *_bad_runtime(job)]
     out = [_problem(where, label, *bad) for bad in bads]
     ranks = job.get("node_ranks")
     for host in sorted(set(ranks) - set(hosts)) if isinstance(ranks, Mapping) else []:
@@ -359,6 +382,19 @@ def _check_software(
     return problems + _check_same(job, digests, "torchrun_jobs", hint, master)
 
 
+def _check_compression_backend(job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any]) -> list[Problem]:
+    """A compression the node's backend cannot run (bf16 wants NCCL; simulated nodes train with gloo)."""
+    compression = job.get("gradient_compression")
+    if compression not in NCCL_ONLY_COMPRESSIONS:
+        return []
+    hint = "torch's bf16 hook needs CUDA and NCCL 2.10+: use fp16 or powersgd on gloo"
+    return [
+        _problem(host, job["name"], "gradient_compression", f"{compression} on backend {backend}", "backend nccl", hint)
+        for host in probed
+        if (backend := job_backend(job, nodes[host])) != "nccl"
+    ]
+
+
 def _check_job_nodes(
     job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any], options: Mapping[str, Any]
 ) -> tuple[list[Problem], list[Problem]]:
@@ -369,6 +405,7 @@ def _check_job_nodes(
     process_problems, process_warnings = _check_processes(job, probed, nodes, options)
     problems += process_problems + _check_ranks(job, groups, nodes) + _check_script(job, probed, nodes, options)
     problems += _check_gpu_models(job, probed, nodes, master) + _check_software(job, hosts, probed, nodes, master)
+    problems += _check_compression_backend(job, probed, nodes)
     return problems, warnings + process_warnings
 
 

@@ -6,9 +6,12 @@ Launch it with torchrun (the budgetgpu-job-<name> unit does):
     torchrun --nproc-per-node=4 --nnodes=2:2 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 \\
         --rdzv-id=demo train_ddp.py --max-steps 100000
 
-A small MLP learns a fixed random "teacher" on synthetic data (the same for a given seed and step,
-so a resumed run sees the data it would have seen), with gradient clipping. NCCL on GPUs, gloo
-on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or steps, atomically
+An MLP learns a fixed random "teacher" on synthetic data (the same for a given seed and step, so
+a resumed run sees the data it would have seen), with gradient clipping. By default it is small; with
+`--hidden 2048 --layers 3` it has 12.6 M parameters (50 MB of gradients per step), enough for the
+all-reduce to show on a slow network. Batches come from a DataLoader with `--data-workers` worker
+processes; `--data-delay` slows each batch on purpose (a loader that does not keep up). NCCL on GPUs,
+gloo on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or steps, atomically
 (temporary file, fsync, rename); at start all ranks agree on the newest checkpoint any node has
 and load it from that node, so a node with an empty disk rejoins too. SIGTERM (systemctl stop)
 on any node stops every rank at the same step boundary, with a checkpoint of that one step on
@@ -20,21 +23,24 @@ lines are `key=value`, for people and tests:
     checkpoint step=140 path=/var/lib/budgetgpu/jobs/demo/checkpoints/step-00000140.pt
     straggler: rank 5 (node2 GPU 1): 31% slower than the median over the last 200 steps
 
-Each rank times its forward and backward apart from the gradient all-reduce (budgetgpu_straggler,
-installed beside this script); every N steps rank 0 names the slowest rank against the median, and
-writes the job's status (step, steps per second since the last report, the latest straggler line, each
-rank's compute seconds per step and the straggler ratio) to a JSON file that the health watch exports
-as metrics and `playbooks/train.yml -e job_state=status` reads.
+DDP all-reduces the gradients in buckets during backward, with the job's gradient compression and
+bucket size, and accumulates gradients over accumulate_steps micro-batches (budgetgpu_straggler's
+wrap_ddp, installed beside this script). Each rank splits its step into compute, communication that
+backward did not hide, and waiting for data; every N steps rank 0 names the slowest rank against the
+median, and writes the job's status (step, steps per second since the last report, the latest
+straggler line, each rank's breakdown and the straggler ratio) to a JSON file that the health watch
+exports as metrics and `playbooks/train.yml -e job_state=status` reads.
 
 Defaults come from the environment the unit sets: BUDGETGPU_CHECKPOINT_DIR,
 BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND,
-BUDGETGPU_STRAGGLER_EVERY_STEPS, BUDGETGPU_STATUS_FILE.
+BUDGETGPU_STRAGGLER_EVERY_STEPS, BUDGETGPU_STATUS_FILE, and the communication settings
+(budgetgpu_straggler.CommSettings.from_env: BUDGETGPU_GRADIENT_COMPRESSION, BUDGETGPU_POWERSGD_RANK,
+BUDGETGPU_POWERSGD_START_STEP, BUDGETGPU_BUCKET_CAP_MB, BUDGETGPU_ACCUMULATE_STEPS).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import io
 import os
@@ -51,14 +57,17 @@ import torch
 import torch.distributed as dist
 
 # Installed beside this script (the script's directory is the first entry of sys.path).
-from budgetgpu_straggler import Finding, StepTimer, all_reduce_gradients, every_steps_from_env, write_status
+from budgetgpu_straggler import CommSettings, Finding, StepTimer, every_steps_from_env, wrap_ddp, write_status
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
 CHECKPOINT = re.compile(r"^step-(\d{8,})\.pt$")
 FEATURES, CLASSES = 32, 4
 # Exit status of a rank that stopped because another node was stopped (not finished, not failed).
 STOPPED_BY_PEER = 75
+# The ranks agree on a stop about this often (seconds), never more than every MAX_STOP_GAP steps apart.
+STOP_CHECK_S = 1.0
+MAX_STOP_GAP = 100
 
 
 def log(msg: str) -> None:
@@ -70,7 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=1000, help="stop after this many optimizer steps")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per process and step")
-    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layer")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    parser.add_argument(
+        "--layers", type=int, default=0, help="hidden x hidden layers between input and output (3 with 2048: 50 MB)"
+    )
+    parser.add_argument("--data-workers", type=int, default=1, help="DataLoader worker processes (0: in the rank)")
+    parser.add_argument(
+        "--data-delay", type=float, default=0.0, help="seconds each batch takes to load, on purpose (a slow loader)"
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     parser.add_argument("--seed", type=int, default=0)
@@ -107,6 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_steps < 0 or args.log_every < 1 or args.keep_checkpoints < 1 or args.straggler_every_steps < 0:
         parser.error("--max-steps and --straggler-every-steps must be >= 0, --log-every and --keep-checkpoints >= 1")
+    if args.layers < 0 or args.data_workers < 0 or args.data_delay < 0:
+        parser.error("--layers, --data-workers and --data-delay must be >= 0")
+    try:
+        args.comm = CommSettings.from_env(env)
+    except ValueError as err:
+        parser.error(str(err))
     return args
 
 
@@ -255,9 +277,12 @@ def agree_on_resume(ctx: Dist, directory: Path) -> tuple[int, dict[str, Any] | N
 # --- model and data ------------------------------------------------------------------------
 
 
-def make_model(hidden: int, seed: int) -> nn.Module:
+def make_model(hidden: int, seed: int, layers: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+    middle: list[nn.Module] = []
+    for _layer in range(layers):
+        middle += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), *middle, nn.Linear(hidden, CLASSES))
 
 
 def synthetic_batch(seed: int, step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,20 +294,56 @@ def synthetic_batch(seed: int, step: int, rank: int, batch: int) -> tuple[torch.
     return inputs, (inputs @ weights).argmax(dim=1)
 
 
+class SyntheticBatches(Dataset):
+    """The batches of one rank from micro-batch `first` on (synthetic_batch's), each `delay` seconds
+    late on purpose; a DataLoader's workers build them while the rank trains."""
+
+    def __init__(self, seed: int, rank: int, batch: int, first: int, count: int, delay: float = 0.0) -> None:
+        self.seed, self.rank, self.batch, self.first, self.count, self.delay = seed, rank, batch, first, count, delay
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        return synthetic_batch(self.seed, self.first + index, self.rank, self.batch)
+
+
+def _quiet_worker(_worker_id: int) -> None:
+    # systemd's stop sends SIGTERM to every process of the unit: a loader worker that died of it would
+    # fail the rank's next batch before the rank could checkpoint. The rank stops its workers itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def batches(args: argparse.Namespace, rank: int, step: int, accumulate: int) -> DataLoader:
+    """The loader of the micro-batches after `step` (micro-batch n of step s is (s - 1) * accumulate + n)."""
+    first, count = step * accumulate + 1, max(args.max_steps - step, 0) * accumulate
+    dataset = SyntheticBatches(args.seed, rank, args.batch_size, first, count, args.data_delay)
+    workers = args.data_workers
+    return DataLoader(dataset, batch_size=None, num_workers=workers, worker_init_fn=_quiet_worker if workers else None)
+
+
 # --- the loop ------------------------------------------------------------------------------
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGINT; the loop stops at the next step boundary with a checkpoint.
+    """Set by SIGTERM/SIGINT; the loop stops at the next agreed step boundary with a checkpoint.
 
-    Ranks see the signal at different steps (one node is stopped before another, or alone), so
-    every step they agree: a stop any rank has seen is a stop for all at this same step, and the
-    checkpoint every node writes holds that one step.
+    Ranks see the signal at different steps (one node is stopped before another, or alone), so they
+    agree: a stop any rank has seen is a stop for all at this same step, and the checkpoint every node
+    writes holds that one step. They agree in one all-reduce of two numbers (a stop seen; the step of
+    the next agreement) about every STOP_CHECK_S seconds rather than at every step: a blocking
+    collective per step is a latency-bound sync per step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, check_s: float = STOP_CHECK_S) -> None:
         self.signal: int | None = None
         self.by_peer = False
+        self.check_s = check_s
+        self.next_check = 0
+        self._last: tuple[int, float] | None = None
 
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signal = signum
@@ -292,15 +353,28 @@ class StopRequest:
         """Whether this rank stops because it or a peer was asked to."""
         return self.signal is not None or self.by_peer
 
-    def agreed(self, ctx: Dist) -> bool:
-        """Return whether any rank was asked to stop (one all-reduce of one number)."""
+    def _gap(self, step: int, now: float) -> int:
+        """Steps to the next agreement: about check_s seconds at this rank's pace since the last one."""
+        last, self._last = self._last, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        per_step = (now - last[1]) / (step - last[0])
+        return max(1, min(MAX_STOP_GAP, int(self.check_s / max(per_step, 1e-9))))
+
+    def agreed(self, ctx: Dist, step: int = 0) -> bool:
+        """Return whether any rank was asked to stop, as agreed at this step (False between agreements)."""
         if not ctx.enabled:
             return self.signal is not None
-        flag = torch.tensor([1 if self.signal is not None else 0], dtype=torch.int32, device=ctx.device)
+        if step < self.next_check:
+            return False
+        seen = 1 if self.signal is not None else 0
+        # MAX of the negated proposals: every rank takes the nearest next step any rank proposed.
+        flag = torch.tensor([seen, -(step + self._gap(step, time.monotonic()))], dtype=torch.int64, device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag.item()) and self.signal is None:
+        stop, self.next_check = bool(flag[0].item()), -int(flag[1].item())
+        if stop and self.signal is None:
             self.by_peer = True
-        return bool(flag.item())
+        return stop
 
 
 def restore(ctx: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> int:
@@ -347,6 +421,9 @@ class Progress:
     status_file: str
     straggler: str = ""
     finding: Finding | None = None
+    # What the job runs (the verdict in job_state=status never suggests what the backend cannot run).
+    settings: dict[str, Any] | None = None
+    breakdown: dict[str, Any] | None = None
 
     def report(self, step: int, loss: torch.Tensor, logged: bool) -> None:
         """Log the step line and write the status. The rate is the current one, since the previous
@@ -358,38 +435,45 @@ class Progress:
             log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
         if self.status_file:
             status = {"step": step, "steps_per_s": round(rate, 3), "straggler": self.straggler, "world": ctx.world}
-            if self.finding:
-                status.update(self.finding.status())
+            status.update(self.settings or {})
+            status.update(self.breakdown or {})
             try:
                 write_status(self.status_file, {**status, "restarts": ctx.restarts})
             except OSError as err:
                 log(f"warning: cannot write the status file {self.status_file}: {err}")
 
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
 def train_step(
-    ddp: nn.Module,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    ctx: Dist,
-    timer: StepTimer,
-    clip: float,
+    ddp: nn.Module, optimizer: torch.optim.Optimizer, data: Any, ctx: Dist, timer: StepTimer, clip: float
 ) -> torch.Tensor:
-    """One optimizer step; return the loss. Forward and backward run without DDP's all-reduce
-    (no_sync), timed as this rank's compute; the gradients are then averaged in one explicit
-    all-reduce, where a fast rank waits for a slow one."""
-    inputs, labels = batch
+    """One optimizer step over accumulate_steps micro-batches from data; return the last one's loss.
+    DDP all-reduces the gradients in buckets during the last backward (the earlier ones run under
+    no_sync), so communication overlaps compute; the timer splits the step (budgetgpu_straggler)."""
     optimizer.zero_grad(set_to_none=True)
-    with ddp.no_sync() if ctx.enabled else contextlib.nullcontext(), timer.compute():
-        loss = nn.functional.cross_entropy(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
-        loss.backward()
-    all_reduce_gradients(model, ctx.world)
-    nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    return loss
+    loss = torch.zeros(())
+    for fwd_bwd in timer.micro_batches(ddp):
+        with timer.data():
+            inputs, labels = next(data)
+        with fwd_bwd:
+            loss = nn.functional.cross_entropy(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
+            (loss / timer.accumulate_steps).backward()
+    with timer.compute():
+        nn.utils.clip_grad_norm_(ddp.parameters(), clip)
+        optimizer.step()
+    return loss.detach()
+
+
+def prepare(args: argparse.Namespace, ctx: Dist) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, StepTimer, int]:
+    """Return (model, its DDP, optimizer, timer, step) of a run, resumed from the newest checkpoint."""
+    model = make_model(args.hidden, args.seed, args.layers).to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    step = restore(ctx, model, optimizer, Path(args.checkpoint_dir))
+    timer = StepTimer(ctx.rank, ctx.world, ctx.device, args.straggler_every_steps, local_rank=ctx.local_rank)
+    try:
+        ddp, timer = wrap_ddp(model, ctx.device, args.comm, timer=timer)
+    except ValueError as err:
+        raise SystemExit(f"rank {ctx.rank}: {err}") from None
+    return model, ddp, optimizer, timer, step
 
 
 def train(args: argparse.Namespace) -> int:
@@ -399,15 +483,10 @@ def train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     directory = Path(args.checkpoint_dir)
     writer = ctx.local_rank == 0  # one writer per node: every node keeps its own copy
-    model = make_model(args.hidden, args.seed).to(ctx.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step = restore(ctx, model, optimizer, directory)
-    ddp: nn.Module = model
-    if ctx.enabled:
-        ddp = DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    model, ddp, optimizer, timer, step = prepare(args, ctx)
     policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
-    progress = Progress(ctx, step, time.monotonic(), args.status_file)
-    timer = StepTimer(ctx.rank, ctx.world, ctx.device, args.straggler_every_steps, local_rank=ctx.local_rank)
+    progress = Progress(ctx, step, time.monotonic(), args.status_file, settings=settings_status(args, ctx))
+    data = iter(batches(args, ctx.rank, step, args.comm.accumulate_steps))
 
     def checkpoint(reason: str = "") -> None:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -416,14 +495,15 @@ def train(args: argparse.Namespace) -> int:
 
     if ctx.rank == 0:
         log(f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps}")
-    while step < args.max_steps and not stop.agreed(ctx):
-        batch = synthetic_batch(args.seed, step + 1, ctx.rank, args.batch_size)
-        loss = train_step(ddp, model, optimizer, batch, ctx, timer, args.clip)
+    while step < args.max_steps and not stop.agreed(ctx, step):
+        loss = train_step(ddp, optimizer, data, ctx, timer, args.clip)
         step += 1
         line = timer.step_done()
         if line:
             progress.straggler, progress.finding = line, timer.last
             log(line)
+        if timer.window_steps == 0:
+            progress.breakdown = timer.window_status() or progress.breakdown
         if ctx.rank == 0 and (step % args.log_every == 0 or line):
             progress.report(step, loss, step % args.log_every == 0)
         now = time.monotonic()
@@ -431,10 +511,22 @@ def train(args: argparse.Namespace) -> int:
             checkpoint()
             policy.saved(step, now)
         if args.step_sleep:
-            time.sleep(args.step_sleep)
+            time.sleep(args.step_sleep)  # between steps: in no step's time (StepTimer)
     if writer and policy.last_step != step:
         checkpoint(" (stop requested)" if stop.stopping else " (final)")
     return leave(ctx, stop, step)
+
+
+def settings_status(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
+    """What the job runs, for its status: the backend and the communication settings."""
+    backend = str(dist.get_backend()) if ctx.enabled else "none"
+    comm = args.comm
+    return {
+        "backend": backend,
+        "gradient_compression": comm.gradient_compression,
+        "bucket_cap_mb": comm.bucket_cap_mb,
+        "accumulate_steps": comm.accumulate_steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

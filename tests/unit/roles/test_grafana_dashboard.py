@@ -14,17 +14,21 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_metrics
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_metrics, job_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "roles" / "prometheus" / "files" / "grafana-dashboard.json"
 WORKER = ROOT / "roles" / "inference" / "files" / "inference_worker.py"
 RULES = ROOT / "roles" / "prometheus" / "templates" / "budgetgpu.rules.yml.j2"
 
-# The training jobs' metrics, added by branch wip-16jobmetrics (issue 16, item 3: per-rank step time,
-# straggler ratio, steps per second, written by rank 0 for node exporter's textfile collector). Until
-# it lands no code here writes them: these three names are the agreement with that branch.
-JOB_METRICS = {"budgetgpu_job_steps_per_second", "budgetgpu_job_straggler_ratio", "budgetgpu_job_step_seconds"}
+# The training jobs' metrics the panels must show (per-rank step time, its breakdown, straggler ratio, steps
+# per second); the health watch writes these and more from rank 0's status (module_utils/job_metrics.py).
+JOB_METRICS = {
+    "budgetgpu_job_steps_per_second",
+    "budgetgpu_job_straggler_ratio",
+    "budgetgpu_job_step_seconds",
+    "budgetgpu_job_step_breakdown_seconds",
+}
 # Prometheus' own series for each scrape (up) and node exporter's systemd collector, which role
 # node_exporter turns on (the alert rules read the same names).
 PROMETHEUS_AND_NODE_EXPORTER = {"up", "node_systemd_unit_state"}
@@ -52,7 +56,8 @@ def _inference_worker_metrics() -> set[str]:
 
 @pytest.fixture(scope="module", name="exported")
 def fixture_exported() -> set[str]:
-    return set(gpu_metrics.METRICS) | _inference_worker_metrics() | JOB_METRICS | PROMETHEUS_AND_NODE_EXPORTER
+    exported = set(gpu_metrics.METRICS) | set(job_metrics.METRICS) | _inference_worker_metrics()
+    return exported | PROMETHEUS_AND_NODE_EXPORTER
 
 
 @pytest.fixture(name="dashboard")

@@ -1,6 +1,7 @@
 """budgetgpu_straggler (roles/torchrun/files, shipped beside the example trainer): the median, the
 slowest rank against it, the line rank 0 logs, the status file, and the defaults kept equal to
-the job model's. The torch part (StepTimer, all_reduce_gradients) runs in the cluster scenario."""
+the job model's, the communication settings. The torch part (StepTimer, wrap_ddp) runs in
+test_torchrun_ddp_options.py and the cluster scenario."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def test_the_findings_status_holds_the_ratio_and_each_ranks_step_time():
     status = found.status()
     assert status["straggler_ratio"] == pytest.approx(1.31) and status["straggler_threshold"] == 0.15
     assert status["window_steps"] == 100
-    assert status["ranks"] == [
+    assert [{k: r[k] for k in ("rank", "host", "local_rank", "step_s")} for r in status["ranks"]] == [
         {"rank": 0, "host": "node1", "local_rank": 0, "step_s": 0.1},
         {"rank": 1, "host": "node1", "local_rank": 1, "step_s": 0.1},
         {"rank": 2, "host": "node2", "local_rank": 0, "step_s": 0.131},
@@ -111,3 +112,54 @@ def test_the_findings_status_holds_the_ratio_and_each_ranks_step_time():
     ]
     even = straggler.slowest_against_median(ranks(2, 2, per_node=2), steps=10).status()
     assert even["straggler_ratio"] == 1.0
+
+
+def test_the_communication_settings_come_from_the_environment_with_the_job_models_defaults():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
+
+    default = straggler.CommSettings.from_env({})
+    assert {key: getattr(default, key) for key in vars(default)} == {key: JOB_DEFAULTS[key] for key in vars(default)}
+    assert straggler.COMPRESSIONS == jobs.COMPRESSIONS
+    env = {
+        "BUDGETGPU_GRADIENT_COMPRESSION": "powersgd",
+        "BUDGETGPU_POWERSGD_RANK": "4",
+        "BUDGETGPU_POWERSGD_START_STEP": "50",
+        "BUDGETGPU_BUCKET_CAP_MB": "100",
+        "BUDGETGPU_ACCUMULATE_STEPS": "8",
+    }
+    assert straggler.CommSettings.from_env(env) == straggler.CommSettings("powersgd", 4, 50, 100.0, 8)
+    # What the job model writes into the unit's environment is what the helper reads.
+    (job,) = jobs.torchrun_jobs_normalize([{"name": "j", "script": "/s.py", "gradient_compression": "fp16",
+                                            "accumulate_steps": "2"}])  # fmt: skip
+    written = jobs.torchrun_environment(job, "node1", {"node1": {"simulated": True}})
+    assert straggler.CommSettings.from_env(written) == straggler.CommSettings("fp16", accumulate_steps=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("BUDGETGPU_GRADIENT_COMPRESSION", "int8", "expected one of none, fp16, bf16, powersgd"),
+        ("BUDGETGPU_ACCUMULATE_STEPS", "0", "BUDGETGPU_ACCUMULATE_STEPS=0: expected a int of at least 1"),
+        ("BUDGETGPU_POWERSGD_START_STEP", "1", "BUDGETGPU_POWERSGD_START_STEP=1: expected a int of at least 2"),
+        ("BUDGETGPU_BUCKET_CAP_MB", "big", "BUDGETGPU_BUCKET_CAP_MB=big: expected a float"),
+    ],
+)
+def test_bad_communication_settings_are_refused_by_name(name, value, message):
+    with pytest.raises(ValueError, match=message):
+        straggler.CommSettings.from_env({name: value})
+
+
+def test_bf16_is_refused_off_nccl_and_accepted_on_it():
+    bf16 = straggler.CommSettings(gradient_compression="bf16")
+    assert bf16.refusal("gloo") == (
+        "gradient_compression bf16 needs the nccl backend, this job runs gloo: use fp16 or powersgd"
+    )
+    assert bf16.refusal("nccl") is None and straggler.CommSettings().refusal("gloo") is None
+
+
+def test_the_status_lists_at_most_1024_ranks_with_their_breakdown():
+    times = [RankTime(i, f"n{i // 8}", i % 8, 2.0, "cuda", 1.0, 0.5, 4.0) for i in range(1100)]
+    status = straggler.ranks_status(times, steps=10)
+    assert len(status["ranks"]) == straggler.MAX_STATUS_RANKS == 1024
+    assert status["ranks"][0] == {"rank": 0, "host": "n0", "local_rank": 0, "step_s": 0.2, "comm_s": 0.1,
+                                  "data_s": 0.05, "wall_s": 0.4}  # fmt: skip

@@ -561,3 +561,26 @@ def test_a_quarantined_gpu_is_a_warning_with_its_reason_and_time():
         "it is held) and its inference worker does not start; return it with playbooks/gpu_release.yml "
         "-e gpu=GPU-2 once fixed"
     ]
+
+
+def test_bf16_on_gloo_is_refused_naming_the_job_and_each_node():
+    simulated = make_nodes(node1={"budgetgpu_simulated": True}, node2={"budgetgpu_simulated": True})
+    result = check(jobs({"gradient_compression": "bf16"}), simulated)
+    assert fields(result) == {("node1", "gradient_compression"), ("node2", "gradient_compression")}
+    problem = result["problems"][0]
+    assert problem["job"] == "pretrain" and problem["found"] == "bf16 on backend gloo"
+    assert problem["expected"] == "backend nccl" and "use fp16 or powersgd" in problem["hint"]
+    # On GPU nodes (NCCL) bf16 passes; fp16 and powersgd pass on gloo.
+    assert check(jobs({"gradient_compression": "bf16"}))["problems"] == []
+    on_gloo = jobs({"gradient_compression": "fp16"}, {"name": "b", "port": 29501, "gradient_compression": "powersgd"})
+    assert check(on_gloo, simulated)["problems"] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("gradient_compression", "int8"), ("powersgd_rank", 0), ("powersgd_start_step", 1), ("bucket_cap_mb", 0),
+     ("bucket_cap_mb", "big"), ("accumulate_steps", 0), ("accumulate_steps", True)],
+)  # fmt: skip
+def test_bad_communication_settings_fail_with_the_field(field, value):
+    result = check(jobs({field: value}))
+    assert fields(result) == {("node1,node2", field)}, result["problems"]

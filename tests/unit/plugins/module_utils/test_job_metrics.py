@@ -97,3 +97,15 @@ def test_the_unit_names_and_status_file_are_the_job_models():
     assert job_metrics.UNIT_PREFIX == jobs.UNIT_PREFIX
     assert job_metrics.unit_name("demo") == jobs.unit_name("demo")
     assert job_metrics.STATUS_FILE == jobs.STATUS_FILE
+
+
+def test_each_ranks_step_breakdown_is_exported_by_part():
+    ranks = [{"rank": 0, "host": "node1", "local_rank": 0, "step_s": 0.5, "comm_s": 0.3, "data_s": 0.2, "wall_s": 1.0}]
+    text = job_metrics.render([{"name": "demo", "status": {**STATUS, "ranks": ranks}, "active": True, "age_s": 1.0}])
+    found = [line for line in lines(text) if "breakdown" in line or "wall" in line]
+    assert found == [
+        'budgetgpu_job_step_breakdown_seconds{job="demo",rank="0",node="node1",part="compute"} 0.5',
+        'budgetgpu_job_step_breakdown_seconds{job="demo",rank="0",node="node1",part="communication"} 0.3',
+        'budgetgpu_job_step_breakdown_seconds{job="demo",rank="0",node="node1",part="data"} 0.2',
+        'budgetgpu_job_step_wall_seconds{job="demo",rank="0",node="node1"} 1',
+    ]

@@ -1,0 +1,72 @@
+"""One rank of tests/unit/roles/test_torchrun_ddp_options.py (torchrun, 2 gloo ranks): for each
+communication option, wrap a fresh copy of the trainer's model with budgetgpu_straggler.wrap_ddp
+and train it with the trainer's train_step; then a run where rank 1 computes slower. Rank 0 writes
+what it measured (each option's losses and window breakdown, the slow run's finding) as JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, sys.argv[1])  # roles/torchrun/files
+import budgetgpu_straggler as helper  # noqa: E402
+import train_ddp  # noqa: E402
+
+OPTIONS = {
+    "none": helper.CommSettings(),
+    "fp16": helper.CommSettings(gradient_compression="fp16"),
+    "powersgd": helper.CommSettings(gradient_compression="powersgd", powersgd_start_step=2),
+    "bucket_cap_mb": helper.CommSettings(bucket_cap_mb=0.05),
+    "accumulate_steps": helper.CommSettings(accumulate_steps=3),
+}
+STEPS = 12
+
+
+def train(base: torch.nn.Module, settings: helper.CommSettings, rank: int, slow_s: float = 0.0) -> dict:
+    model = copy.deepcopy(base)
+    if slow_s and rank == 1:
+        model.register_forward_pre_hook(lambda *_unused: time.sleep(slow_s))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    timer = helper.StepTimer(rank, 2, torch.device("cpu"), every=STEPS, local_rank=rank)
+    ddp, timer = helper.wrap_ddp(model, "cpu", settings, timer=timer)
+    args = train_ddp.parse_args(["--batch-size", "64", "--max-steps", str(STEPS), "--data-workers", "1"])
+    data = iter(train_ddp.batches(args, rank, 0, settings.accumulate_steps))
+    losses, line = [], None
+    for _step in range(STEPS):
+        losses.append(float(train_ddp.train_step(ddp, optimizer, data, train_ddp.Dist(world=2), timer, 1.0)))
+        line = timer.step_done() or line
+    state = type(timer.comm_state).__name__
+    # DDP averaged the same gradients on both ranks: their parameters are the same after training.
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = mine.clone()
+    dist.broadcast(other, src=1)
+    in_sync = float((mine - other).abs().max())
+    return {"losses": losses, "line": line, "status": timer.window_status(), "comm_state": state, "in_sync": in_sync}
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    base = train_ddp.make_model(384, 0, layers=1)  # steps long enough that a loaded machine shows little
+    found = {name: train(base, settings, rank) for name, settings in OPTIONS.items()}
+    found["slow rank 1"] = train(base, helper.CommSettings(), rank, slow_s=0.15)  # a loaded CI machine too
+    try:
+        helper.wrap_ddp(copy.deepcopy(base), "cpu", helper.CommSettings(gradient_compression="bf16"))
+        found["bf16"] = "accepted"
+    except ValueError as err:
+        found["bf16"] = str(err)
+    if rank == 0:
+        Path(sys.argv[2]).write_text(json.dumps(found))
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
