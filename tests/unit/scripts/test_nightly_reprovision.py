@@ -430,22 +430,32 @@ def test_summary_reports_each_quarantined_gpu_with_reason_and_time():
 
 
 def test_the_second_nightly_run_shows_each_nodes_energy_per_day(fake, tmp_path):
-    def reading(time_s: float, joules: float) -> dict:
-        return {"time": time_s, "gpus": {"GPU-a": joules, "GPU-b": joules}, "price_per_kwh": 0.12, "currency": "$"}
+    def reading(time_s: float, joules: float, cpu_j: float) -> dict:
+        return {
+            "time": time_s,
+            "gpus": {f"GPU-{n}": joules for n in "abcd"},
+            "cpu": {"time": time_s - 20, "joules": cpu_j},
+            "base_watts": 200,
+            "price_per_kwh": 0.12,
+            "currency": "$",
+        }
 
     first, second = tmp_path / "first.json", tmp_path / "second.json"
-    first.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000, 1e6)}, node2={})))
-    # 24 h later both GPUs used 19.2 kWh each (800 W): 38.4 kWh a day, the guide's $4.61.
-    day_j = 800 * 24 * 3600
-    second.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000 + 86400, 1e6 + day_j)}, node2={})))
+    first.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000, 1e6, 5e5)}, node2={})))
+    # 24 h later: the guide's node at full load, four GPUs at 350 W, the CPU at 40 W of the node's 200 W.
+    day_j, cpu_j = 350 * 24 * 3600, 40 * 24 * 3600
+    second.write_text(
+        json.dumps(report_with(node1={"energy_reading": reading(1000 + 86400, 1e6 + day_j, 5e5 + cpu_j)}, node2={}))
+    )
     done = run_script(fake, env={"FAKE_REPORT": str(first)})
     assert "  energy: no reading of an earlier nightly run yet (the next one shows kWh a day)" in done.stdout
     done = run_script(fake, env={"FAKE_REPORT": str(second)})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[lines.index("node1: no drift") + 1] == (
-        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh"
-        " (38.40 kWh on 2 GPUs over 24.0 h since the last nightly run)"
+        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh (GPUs 33.60 kWh: 33.60 kWh measured on 4 GPUs"
+        " over 24.0 h since the last nightly run; CPU 0.96 kWh measured by RAPL; rest of the node estimated at"
+        " budgetgpu_node_base_watts 200 W less the CPU's 40 W: 3.84 kWh)"
     )
     assert "node2: no drift" in lines and not any(
         line.startswith("  energy") for line in lines[lines.index("node2: no drift") :]
