@@ -103,23 +103,8 @@ def energy_summary(
     return line
 
 
-def job_run_energy(
-    start: Mapping[str, Any] | None,
-    gpus_now: Iterable[Mapping[str, Any]],
-    price_per_kwh: float = DEFAULT_PRICE_PER_KWH,
-    currency: str = DEFAULT_CURRENCY,
-) -> dict[str, Any]:
-    """Return the energy a job run used on a node: each GPU's counter now (gpu_facts' gpus, with
-    uuid and energy_total_j) against the counters recorded when the job's unit started (start:
-    {"time": epoch s, "gpus": {uuid: joules}}, written by budgetgpu-job-energy).
-
-    All its GPUs, not the job's share: the node's GPUs are the job's while it runs. A GPU whose
-    counter went back (the driver reloaded since) or that has no counter is left out and named.
-    Returns {"kwh", "cost", "gpus" (counted), "line"}; kwh and cost are None without a start record.
-    """
-    recorded = (start or {}).get("gpus") if isinstance(start, Mapping) else None
-    if not isinstance(recorded, Mapping):
-        return {"kwh": None, "cost": None, "gpus": 0, "line": "energy: no counters recorded at the job's start"}
+def _job_gpu_joules(recorded: Mapping[str, Any], gpus_now: Iterable[Mapping[str, Any]]) -> tuple[float, int, list[str]]:
+    """(joules, GPUs counted, GPUs left out) of the GPUs' counters now against those at the job's start."""
     total_j, counted, skipped = 0.0, 0, []
     for gpu in gpus_now:
         uuid, now = gpu.get("uuid"), gpu.get("energy_total_j")
@@ -129,6 +114,54 @@ def job_run_energy(
             continue
         total_j += now - then
         counted += 1
+    return total_j, counted, skipped
+
+
+def _job_rest(
+    start: Mapping[str, Any], now: float | None, base_watts: float | None, cpu_now: Any
+) -> tuple[float, float | None, str]:
+    """(rest kWh, CPU kWh or None, the words) of the node beside its GPUs since the job's start: the CPU
+    by RAPL where the start record and the reader's state now both have it, the rest estimated."""
+    started = start.get("time")
+    if now is None or not _finite(started) or now <= started:
+        return 0.0, None, ""
+    hours = (now - started) / 3600
+    # The start record holds {"time", "joules"} as cpu_reading returns them; now, the reader's state.
+    cpu_then, cpu_after = start.get("cpu"), cpu_reading(cpu_now)
+    then_j = cpu_then.get("joules") if isinstance(cpu_then, Mapping) else None
+    cpu_kwh = None
+    if cpu_after and _finite(then_j) and cpu_after["joules"] >= then_j:
+        cpu_kwh = kwh_from_joules(cpu_after["joules"] - then_j)
+    rest_kwh, why = rest_of_node(base_watts_of(base_watts), hours, cpu_kwh)
+    cpu_part = f"; CPU {cpu_kwh:.3f} kWh measured by RAPL" if cpu_kwh is not None else ""
+    return rest_kwh, cpu_kwh, f"{cpu_part}; {why}: {rest_kwh:.3f} kWh over {hours:.1f} h"
+
+
+def job_run_energy(
+    start: Mapping[str, Any] | None,
+    gpus_now: Iterable[Mapping[str, Any]],
+    price_per_kwh: float = DEFAULT_PRICE_PER_KWH,
+    currency: str = DEFAULT_CURRENCY,
+    now: float | None = None,
+    base_watts: float | None = None,
+    cpu_now: Any = None,
+) -> dict[str, Any]:
+    """Return the energy a job run used on a node: each GPU's counter now (gpu_facts' gpus, with
+    uuid and energy_total_j) against the counters recorded when the job's unit started (start:
+    {"time": epoch s, "gpus": {uuid: joules}, "cpu": {"time", "joules"} (optional)}, written by
+    budgetgpu-job-energy), and, given now (epoch s), the rest of the node over the run's hours
+    (rest_of_node: budgetgpu_node_base_watts, less the CPU where RAPL measured it at the start and
+    now, cpu_now being the RAPL reader's state).
+
+    All its GPUs, not the job's share: the node's GPUs are the job's while it runs. A GPU whose
+    counter went back (the driver reloaded since) or that has no counter is left out and named.
+    Returns {"kwh" (the node's), "gpu_kwh", "cpu_kwh", "rest_kwh", "cost", "gpus" (counted), "line"};
+    kwh and cost are None without a start record.
+    """
+    recorded = (start or {}).get("gpus") if isinstance(start, Mapping) else None
+    if not isinstance(recorded, Mapping):
+        return {"kwh": None, "cost": None, "gpus": 0, "line": "energy: no counters recorded at the job's start"}
+    total_j, counted, skipped = _job_gpu_joules(recorded, gpus_now)
     if not counted:
         return {
             "kwh": None,
@@ -136,15 +169,27 @@ def job_run_energy(
             "gpus": 0,
             "line": "energy: no GPU with an energy counter since the job's start",
         }
-    kwh = kwh_from_joules(total_j)
+    gpu_kwh = kwh_from_joules(total_j)
+    rest_kwh, cpu_kwh, rest_words = _job_rest(start, now, base_watts, cpu_now)
+    kwh = gpu_kwh + (cpu_kwh or 0.0) + rest_kwh
     amount = cost(kwh, price_per_kwh)
+    gpus = f"{counted} GPU{'s' if counted != 1 else ''}"
+    head = f"{kwh:.3f} kWh (GPUs {gpu_kwh:.3f} kWh on {gpus}{rest_words})" if rest_words else f"{kwh:.3f} kWh on {gpus}"
     line = (
-        f"energy since the job started: {kwh:.3f} kWh on {counted} GPU{'s' if counted != 1 else ''} = "
+        f"energy since the job started: {head} = "
         f"{format_money(amount, currency)} at {format_money(price_per_kwh, currency)}/kWh"
     )
     if skipped:
         line += f" (not counted: GPU {', '.join(skipped)})"
-    return {"kwh": kwh, "cost": amount, "gpus": counted, "line": line}
+    return {
+        "kwh": kwh,
+        "gpu_kwh": gpu_kwh,
+        "cpu_kwh": cpu_kwh,
+        "rest_kwh": rest_kwh,
+        "cost": amount,
+        "gpus": counted,
+        "line": line,
+    }
 
 
 def energy_reading(

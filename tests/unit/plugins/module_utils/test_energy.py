@@ -286,3 +286,24 @@ def test_the_reading_takes_the_rapl_state_as_slurp_returns_it():
     # A node without the reader: slurp failed, nothing to read.
     assert energy.energy_reading({"gpus": []}, 60, cpu={"failed": True, "msg": "file not found"})["cpu"] is None
     assert energy.energy_reading({"gpus": []}, 60, cpu={"content": "bm90IGpzb24=", "encoding": "base64"})["cpu"] is None
+
+
+def test_a_job_run_counts_the_rest_of_the_node_over_its_hours():
+    # Four 3090s at 350 W for 10 hours: 14 kWh measured, 2 kWh of the rest of the node estimated.
+    gpus = [{"index": i, "uuid": f"GPU-{i}", "energy_total_j": 350 * 36_000.0} for i in range(4)]
+    start = {"time": 1000.0, "gpus": {f"GPU-{i}": 0.0 for i in range(4)}}
+    run = energy.job_run_energy(start, gpus, 0.12, "$", now=1000.0 + 36_000)
+    assert (run["gpu_kwh"], run["rest_kwh"], run["cpu_kwh"]) == (pytest.approx(14), pytest.approx(2), None)
+    assert run["kwh"] == pytest.approx(16) and run["cost"] == pytest.approx(1.92)
+    assert run["line"] == (
+        "energy since the job started: 16.000 kWh (GPUs 14.000 kWh on 4 GPUs; rest of the node, CPU included,"
+        " estimated at budgetgpu_node_base_watts 200 W (no RAPL reading): 2.000 kWh over 10.0 h) = $1.92 at $0.12/kWh"
+    )
+    # With the CPU's RAPL total at the start and the reader's state now: 50 W measured, 150 W estimated.
+    start["cpu"] = {"time": 990.0, "joules": 1000.0}
+    state = {"time": 36_990.0, "joules": 1000.0 + 50 * 36_000, "zones": {"intel-rapl:0": {}}}
+    run = energy.job_run_energy(start, gpus, 0.12, "$", now=1000.0 + 36_000, base_watts=200, cpu_now=state)
+    assert (run["cpu_kwh"], run["rest_kwh"], run["kwh"]) == (pytest.approx(0.5), pytest.approx(1.5), pytest.approx(16))
+    assert (
+        "CPU 0.500 kWh measured by RAPL; rest of the node estimated at budgetgpu_node_base_watts 200 W" in run["line"]
+    )
