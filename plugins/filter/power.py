@@ -36,10 +36,23 @@ def gpu_energy_summary(gpus_facts: Mapping[str, Any] | None, price: Any = None, 
 
 
 def gpu_energy_reading(
-    gpus_facts: Mapping[str, Any] | None, now: Any, price: Any = None, currency: Any = None
+    gpus_facts: Mapping[str, Any] | None,
+    now: Any,
+    price: Any = None,
+    currency: Any = None,
+    cpu: Any = None,
+    base_watts: Any = None,
 ) -> dict[str, Any]:
-    """Return the node's energy reading (energy.energy_reading): the time, each GPU's counter, the price."""
-    return energy.energy_reading(gpus_facts, float(now), None if price is None else float(price), currency)
+    """Return the node's energy reading (energy.energy_reading): the time, each GPU's counter, the CPU's
+    RAPL total (the reader's energy.json, parsed or as slurp returns it), the node's base watts, the price."""
+    return energy.energy_reading(
+        gpus_facts,
+        float(now),
+        None if price is None else float(price),
+        currency,
+        cpu,
+        None if base_watts is None else float(base_watts),
+    )
 
 
 class FilterModule:

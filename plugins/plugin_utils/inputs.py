@@ -63,6 +63,8 @@ OTHER_INPUTS = {
     # price and currency of the energy figures (plugins/module_utils/energy.py holds the defaults)
     "budgetgpu_electricity_price_per_kwh": {"type": "float"},
     "budgetgpu_currency": {"type": "str"},
+    # what a node draws beside its GPUs, an estimate (energy.DEFAULT_NODE_BASE_WATTS, the guide's 200 W)
+    "budgetgpu_node_base_watts": {"type": "float"},
     # node exporter's port and textfile directory (roles node_exporter, prometheus, gpu_health;
     # plugin_utils/monitoring.py NODE_EXPORTER_PORT, TEXTFILE_DIR)
     "budgetgpu_node_exporter_port": {"type": "int"},

@@ -550,11 +550,14 @@ def torchrun_job_status(
     now: float,
     price: Any = None,
     currency: Any = None,
+    base_watts: Any = None,
+    cpu_now: Any = None,
 ) -> dict[str, Any]:
     """Return what train.yml -e job_state=status prints for one job on one node: its unit's state
     (systemctl show: ActiveState, SubState, NRestarts), rank 0's status file (status.json: step,
     steps_per_s, straggler, time; only rank 0's node has one), and the job run's energy and cost
-    (energy.job_run_energy of the counters recorded at the unit's start against gpu_facts now).
+    (energy.job_run_energy of the counters recorded at the unit's start against gpu_facts now, and the rest
+    of the node since then from base_watts, budgetgpu_node_base_watts; cpu_now: the RAPL reader's state).
 
     status and energy_start are the parsed files, or slurp results of them (None: no file).
     Returns {"job", "state", "step", "steps_per_s", "straggler", "energy": {...}, "lines": [...]}.
@@ -588,6 +591,9 @@ def torchrun_job_status(
         (gpus_facts or {}).get("gpus") or [],
         energy.DEFAULT_PRICE_PER_KWH if price is None else float(price),
         energy.DEFAULT_CURRENCY if currency is None else str(currency),
+        now=now,
+        base_watts=None if base_watts is None else float(base_watts),
+        cpu_now=cpu_now,
     )
     result["energy"] = run
     lines.append(run["line"])

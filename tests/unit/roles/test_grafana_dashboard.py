@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_metrics, job_metrics
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy, gpu_metrics, job_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "roles" / "prometheus" / "files" / "grafana-dashboard.json"
@@ -56,8 +56,20 @@ def _inference_worker_metrics() -> set[str]:
 
 @pytest.fixture(scope="module", name="exported")
 def fixture_exported() -> set[str]:
-    exported = set(gpu_metrics.METRICS) | set(job_metrics.METRICS) | _inference_worker_metrics()
-    return exported | PROMETHEUS_AND_NODE_EXPORTER
+    return (
+        set(gpu_metrics.METRICS)
+        | set(job_metrics.METRICS)
+        | _inference_worker_metrics()
+        | PROMETHEUS_AND_NODE_EXPORTER
+        | _rapl_reader_metrics()
+    )
+
+
+def _rapl_reader_metrics() -> set[str]:
+    """The names role node_exporter's RAPL reader writes, from energy.rapl_metrics itself."""
+    zone = {"zone": "package-0", "energy_uj": 1, "max_energy_range_uj": 9}
+    text = energy.rapl_metrics(energy.rapl_update(None, {"intel-rapl:0": zone}, 0, "b"), 200)
+    return {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
 @pytest.fixture(name="dashboard")
@@ -149,9 +161,11 @@ def test_the_panels_the_issue_asks_for_are_there(dashboard):
         "Fan speed and target",
         "PCIe link width",
         "Xid errors",
+        "Node power: GPUs, CPU and the rest",
     } <= titles
     names = {name for expr in queries(dashboard) for name in metric_names(expr)}
     assert {"DCGM_FI_DEV_GPU_UTIL", "budgetgpu_inference_request_duration_seconds_bucket"} | JOB_METRICS <= names
+    assert {"budgetgpu_node_cpu_energy_joules_total", "budgetgpu_node_base_watts"} <= names
 
 
 def test_every_metric_the_dashboard_asks_for_is_one_the_project_exports(dashboard, exported):

@@ -39,6 +39,8 @@ CANNED = {
     "DCGM_FI_DEV_GPU_TEMP": _matrix("DCGM_FI_DEV_GPU_TEMP", 2, 40),
     "DCGM_FI_DEV_POWER_USAGE": _matrix("DCGM_FI_DEV_POWER_USAGE", 2, 250),
     "DCGM_FI_DEV_POWER_MGMT_LIMIT": _matrix("DCGM_FI_DEV_POWER_MGMT_LIMIT", 2, 280),
+    # The RAPL reader's counter (role node_exporter), as the CPU's rate: the node power panel's CPU.
+    "budgetgpu_node_cpu_energy_joules_total": _matrix("budgetgpu_node_cpu_energy_joules_total", 1, 45),
 }
 
 
@@ -125,7 +127,14 @@ def test_every_panel_is_asked_and_charted_and_a_panel_without_data_says_so(repor
     assert "no data in this time range" in steps and "<img" not in steps
     pngs = sorted(p.name for p in out.glob("*.png"))
     # The panels with data (power per node sums the canned power draw); the stale chart is gone.
-    assert pngs == ["panel-2-gpu-temperature.png", "panel-3-gpu-power-draw-and-limit.png", "panel-5-power-per-node.png"]
+    assert pngs == [
+        "panel-2-gpu-temperature.png",
+        "panel-21-node-power-gpus-cpu-and-the-rest.png",
+        "panel-3-gpu-power-draw-and-limit.png",
+        "panel-5-power-per-node.png",
+    ]
+    node = _section(page, "Node power: GPUs, CPU and the rest")
+    assert "node1 node" in node and "node1 GPUs (NVML)" in node and "node1 CPU (RAPL)" in node
     assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
     # Grafana's variables expanded: the node variable at its "All" value, a rate window of whole seconds.
     exprs = [q["query"] for q in _Prometheus.queries]

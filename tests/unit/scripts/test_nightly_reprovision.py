@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -429,23 +430,291 @@ def test_summary_reports_each_quarantined_gpu_with_reason_and_time():
 
 
 def test_the_second_nightly_run_shows_each_nodes_energy_per_day(fake, tmp_path):
-    def reading(time_s: float, joules: float) -> dict:
-        return {"time": time_s, "gpus": {"GPU-a": joules, "GPU-b": joules}, "price_per_kwh": 0.12, "currency": "$"}
+    def reading(time_s: float, joules: float, cpu_j: float) -> dict:
+        return {
+            "time": time_s,
+            "gpus": {f"GPU-{n}": joules for n in "abcd"},
+            "cpu": {"time": time_s - 20, "joules": cpu_j},
+            "base_watts": 200,
+            "price_per_kwh": 0.12,
+            "currency": "$",
+        }
 
     first, second = tmp_path / "first.json", tmp_path / "second.json"
-    first.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000, 1e6)}, node2={})))
-    # 24 h later both GPUs used 19.2 kWh each (800 W): 38.4 kWh a day, the guide's $4.61.
-    day_j = 800 * 24 * 3600
-    second.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000 + 86400, 1e6 + day_j)}, node2={})))
+    first.write_text(json.dumps(report_with(node1={"energy_reading": reading(1000, 1e6, 5e5)}, node2={})))
+    # 24 h later: the guide's node at full load, four GPUs at 350 W, the CPU at 40 W of the node's 200 W.
+    day_j, cpu_j = 350 * 24 * 3600, 40 * 24 * 3600
+    second.write_text(
+        json.dumps(report_with(node1={"energy_reading": reading(1000 + 86400, 1e6 + day_j, 5e5 + cpu_j)}, node2={}))
+    )
     done = run_script(fake, env={"FAKE_REPORT": str(first)})
     assert "  energy: no reading of an earlier nightly run yet (the next one shows kWh a day)" in done.stdout
     done = run_script(fake, env={"FAKE_REPORT": str(second)})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[lines.index("node1: no drift") + 1] == (
-        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh"
-        " (38.40 kWh on 2 GPUs over 24.0 h since the last nightly run)"
+        "  energy: 38.40 kWh a day = $4.61 a day at $0.12/kWh (GPUs 33.60 kWh: 33.60 kWh measured on 4 GPUs"
+        " over 24.0 h since the last nightly run; CPU 0.96 kWh measured by RAPL; rest of the node estimated at"
+        " budgetgpu_node_base_watts 200 W less the CPU's 40 W: 3.84 kWh)"
     )
     assert "node2: no drift" in lines and not any(
         line.startswith("  energy") for line in lines[lines.index("node2: no drift") :]
     )
+
+
+# --- a run that hangs: killed at the time limit, with its whole process group -----------------------
+
+HANGING_PLAYBOOK = """\
+#!/bin/sh
+# A stand-in for an ansible-playbook whose NVML task never returns on node2: the default callback's
+# lines, then ssh-like children (one ignores SIGTERM) that would outlive a kill of the leader alone.
+echo "PLAY [Probe] ****"
+echo "TASK [Gathering Facts] ****"
+echo "ok: [node1]"
+echo "ok: [node2]"
+echo "TASK [probe : Read the GPUs through NVML] ****"
+echo "ok: [node1]"
+sleep 600 &
+echo $! > "$FAKE_PIDS"
+sh -c 'trap "" TERM; while :; do sleep 1; done' &
+echo $! >> "$FAKE_PIDS"
+wait
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of an already-killed process counts as gone.
+    state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
+    return state not in ("Z", "X")
+
+
+def test_running_task_names_the_task_and_the_hosts_without_a_result():
+    log = "\n".join(
+        [
+            "PLAY [Network] ****",
+            "TASK [Gathering Facts] ****",
+            "ok: [node1]",
+            "fatal: [node3]: UNREACHABLE! => {}",
+            "ok: [node2]",
+            "TASK [nccl_network : Write the NCCL environment file] ****",
+            "changed: [node2]",
+            "ok: [node1 -> localhost]",
+            "TASK [probe : Read the GPUs through NVML] ****",
+            "ok: [node2]",
+        ]
+    )
+    assert nightly.running_task(log) == {
+        "play": "Network",
+        "task": "probe : Read the GPUs through NVML",
+        "waiting": ["node1"],
+    }
+    assert nightly.running_task("PLAY [x] ****\nPLAY RECAP ****\n")["task"] is None
+
+
+def test_a_hung_run_is_killed_at_the_limit_with_its_children_and_the_next_run_succeeds(fake, tmp_path):
+    hanging = tmp_path / "hanging-ansible-playbook"
+    hanging.write_text(HANGING_PLAYBOOK)
+    hanging.chmod(0o755)
+    pids = tmp_path / "pids"
+    started = time.monotonic()
+    done = run_script(
+        {**fake, "program": hanging},
+        "--timeout",
+        "3",
+        "--kill-grace",
+        "1",
+        "--hook",
+        f"cat > {tmp_path}/hook.txt",
+        env={"FAKE_PIDS": str(pids)},
+    )
+    assert done.returncode == nightly.EXIT_TIMED_OUT, done.stdout + done.stderr
+    assert time.monotonic() - started < 30
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith(": TIMED OUT (exit 21)")
+    assert any(line.startswith("TIMED OUT after 3 s (--timeout)") for line in lines), lines
+    assert "  the task running: probe : Read the GPUs through NVML (play Probe); no result from: node2" in lines
+    assert (fake["logs"] / "latest" / "summary.txt").read_text() == done.stdout
+    assert (tmp_path / "hook.txt").read_text() == done.stdout, "a timeout is a failure: the hook hears of it"
+    children = [int(pid) for pid in pids.read_text().split()]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children), "a child of ansible-playbook outlived the time limit"
+    assert (fake["logs"] / "nightly.lock").read_text() == ""
+    after = run_script(fake, env={"FAKE_REPORT": str(fake["clean"])})
+    assert after.returncode == 0, after.stdout + after.stderr
+
+
+def test_timeout_and_free_space_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        nightly.parse_args(["--timeout", "-1"])
+    assert "--timeout -1: expected 0 or more" in capsys.readouterr().err
+
+
+# --- a full disk, before the run and after it ---------------------------------------------------------
+
+
+def test_too_little_free_space_exits_22_before_the_run_and_tells(fake, tmp_path):
+    seen = tmp_path / "hook.txt"
+    done = run_script(
+        fake, "--min-free-mb", str(10**12), "--hook", f"cat > {seen}", env={"FAKE_REPORT": str(fake["clean"])}
+    )
+    assert done.returncode == nightly.EXIT_NO_WRITE, done.stderr
+    assert "FAILED to write its results (exit 22)" in done.stdout.splitlines()[0]
+    assert "MB free under" in done.stdout and "--min-free-mb" in done.stdout
+    assert seen.read_text() == done.stdout
+    assert nightly.run_dirs(fake["logs"]) == [], "nothing ran"
+    assert run_script(fake, env={"FAKE_REPORT": str(fake["clean"])}).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB tmpfs with 40 inodes: a disk that fills (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=40,mode=0755", "budgetgpu-test", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_inodes(directory: Path) -> list[Path]:
+    made = []
+    while True:
+        path = directory / f"inode-{len(made)}"
+        try:
+            path.touch()
+        except OSError:
+            return made
+        made.append(path)
+
+
+FILLING_PLAYBOOK = """\
+#!/bin/sh
+# A stand-in ansible-playbook that writes its report, then fills the disk the logs are on.
+cp "$FAKE_REPORT" "$BUDGETGPU_DRIFT_REPORT"
+dd if=/dev/zero of="$FAKE_FILLER" bs=4096 2>/dev/null
+exit 0
+"""
+
+
+def test_a_full_disk_on_both_paths_exits_22_with_a_summary_and_no_traceback(fake, small_disk, tmp_path):
+    disk_fake = {**fake, "logs": small_disk / "nightly"}
+    clean = {"FAKE_REPORT": str(fake["clean"])}
+
+    def run(*args, program=None, env=None):
+        done = run_script(
+            {**disk_fake, "program": program or fake["program"]}, "--min-free-mb", "1", *args, env=env or clean
+        )
+        assert "Traceback" not in done.stdout + done.stderr
+        return done
+
+    assert run().returncode == 0
+    # 1. No inode left: the run directory cannot be made.
+    fillers = fill_inodes(small_disk)
+    done = run()
+    assert done.returncode == nightly.EXIT_NO_WRITE, done.stdout + done.stderr
+    assert "cannot create the run directory under" in done.stdout
+    for path in fillers:
+        path.unlink()
+    assert run().returncode == 0
+    # 2. The disk fills during the run: the summary cannot be written.
+    filling = tmp_path / "filling-ansible-playbook"
+    filling.write_text(FILLING_PLAYBOOK)
+    filling.chmod(0o755)
+    filler = small_disk / "filler"
+    seen = tmp_path / "hook.txt"
+    hook = ["--hook", f"cat > {seen}", "--hook-when", "failure"]
+    done = run(*hook, program=filling, env={**clean, "FAKE_FILLER": str(filler)})
+    assert done.returncode == nightly.EXIT_NO_WRITE, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith("FAILED to write its results (exit 22)")
+    assert any(line.startswith("WRITE FAILED: cannot write ") and "No space left on device" in line for line in lines)
+    assert seen.read_text() == done.stdout, "the hook gets the summary on stdin although its file is missing"
+    assert not (disk_fake["logs"] / "latest" / "summary.txt").exists()
+    assert (disk_fake["logs"] / "nightly.lock").read_text() == ""
+    # 3. The disk is still full at the next night: the free-space check stops it before the run.
+    done = run(*hook)
+    assert done.returncode == nightly.EXIT_NO_WRITE
+    assert "MB free under" in done.stdout and seen.read_text() == done.stdout
+    filler.unlink()
+    assert run().returncode == 0
+
+
+# --- Alertmanager ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def receiver():
+    """A stand-in Alertmanager on loopback: records every POST to /api/v2/alerts."""
+    import http.server
+    import threading
+
+    posts: list[tuple[str, list]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            posts.append((self.path, json.loads(body)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", posts
+    finally:
+        server.shutdown()
+
+
+def by_name(alerts: list) -> dict:
+    return {alert["labels"]["alertname"]: alert for alert in alerts}
+
+
+def test_drift_and_failure_are_posted_to_alertmanager_and_a_clean_run_resolves_them(fake, receiver):
+    url, posts = receiver
+    done = run_script(fake, "--alertmanager-url", url + "/", env={"FAKE_REPORT": str(fake["drifted"])})
+    assert done.returncode == 10
+    path, alerts = posts[-1]
+    assert path == "/api/v2/alerts"
+    drift, failed = by_name(alerts)["BudgetgpuNightlyDrift"], by_name(alerts)["BudgetgpuNightlyFailed"]
+    assert drift["labels"]["severity"] == "warning" and drift["labels"]["job"] == "budgetgpu-nightly"
+    assert drift["annotations"]["summary"] == done.stdout.splitlines()[0]
+    assert "  changed  nccl_network: Write the NCCL environment file" in drift["annotations"]["description"]
+    hold = datetime.fromisoformat(drift["endsAt"]) - datetime.fromisoformat(drift["startsAt"])
+    assert hold.total_seconds() > 24 * 3600, "a firing alert lasts until the next night's run"
+    assert failed["endsAt"] == failed["startsAt"], "the other outcome's alert is resolved"
+    done = run_script(fake, "--alertmanager-url", url, env={"FAKE_RC": "1"})
+    assert done.returncode == 20
+    failed = by_name(posts[-1][1])["BudgetgpuNightlyFailed"]
+    assert (failed["labels"]["severity"], failed["annotations"]["exit_status"]) == ("critical", "20")
+    assert failed["endsAt"] > failed["startsAt"]
+    run_script(fake, "--alertmanager-url", url, env={"FAKE_REPORT": str(fake["clean"])})
+    for alert in posts[-1][1]:
+        ends, starts = (datetime.fromisoformat(alert[key]) for key in ("endsAt", "startsAt"))
+        assert ends <= starts, f"a clean run resolves {alert['labels']['alertname']}"
+
+
+def test_an_alertmanager_that_does_not_answer_is_reported_and_changes_nothing(fake):
+    done = run_script(fake, "--alertmanager-url", "http://127.0.0.1:9", env={"FAKE_REPORT": str(fake["drifted"])})
+    assert done.returncode == 10
+    assert "cannot post to Alertmanager at http://127.0.0.1:9/api/v2/alerts" in done.stderr
+    assert "Traceback" not in done.stderr

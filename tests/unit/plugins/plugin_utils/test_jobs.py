@@ -80,12 +80,15 @@ def test_job_status_on_rank_0s_node_shows_step_rate_straggler_and_energy():
                      {"index": 1, "uuid": "GPU-b", "energy_total_j": 3_600_100.0}]}  # fmt: skip
     result = torchrun_job_status(job, unit, status, start, gpus, now=1000.0, price=0.12, currency="$")
     assert (result["step"], result["steps_per_s"], result["straggler"]) == (240, 5.8, line)
-    assert result["energy"]["kwh"] == pytest.approx(2.0)
+    # 2 kWh on the GPUs, and 100 s of the rest of the node at the default 200 W.
+    assert result["energy"]["gpu_kwh"] == pytest.approx(2.0)
+    assert result["energy"]["kwh"] == pytest.approx(2.0 + 200 * 100 / 3.6e6)
     assert result["lines"] == [
         "job e2e: unit budgetgpu-job-e2e.service active (running), restarts 1",
         "step 240, 5.80 steps/s (rank 0's status of 10 s ago)",
         line,
-        "energy since the job started: 2.000 kWh on 2 GPUs = $0.24 at $0.12/kWh",
+        "energy since the job started: 2.006 kWh (GPUs 2.000 kWh on 2 GPUs; rest of the node, CPU included,"
+        " estimated at budgetgpu_node_base_watts 200 W (no RAPL reading): 0.006 kWh over 0.0 h) = $0.24 at $0.12/kWh",
     ]
 
 
