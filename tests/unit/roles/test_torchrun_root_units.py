@@ -53,7 +53,9 @@ PLAYBOOK = """\
 @pytest.fixture(scope="module")
 def units(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("units")
-    job = jobs.torchrun_job_normalize({"name": "main", "script": "/srv/train.py", "nodes": "all", "environment": HOSTILE_ENV})
+    job = jobs.torchrun_job_normalize(
+        {"name": "main", "script": "/srv/train.py", "nodes": "all", "environment": HOSTILE_ENV}
+    )
     job["exec_start"] = '"/opt/budgetgpu/venv/bin/python3" "/opt/budgetgpu/bin/budgetgpu-torchrun"'
     job["env"] = jobs.torchrun_environment(job, "node7", {})
     out = tmp / "out"
@@ -80,7 +82,13 @@ def test_the_job_defines_its_environment_and_the_job_unit_has_no_root_line(units
 
 
 def test_the_check_sees_every_form_of_a_root_line():
-    for line in ("ExecStartPre=+/bin/rm x", "ExecStartPre=-+/x", "ExecStopPost=!/bin/sh", "ExecStart=!!/x", "ExecStartPost=@-+/x"):
+    for line in (
+        "ExecStartPre=+/bin/rm x",
+        "ExecStartPre=-+/x",
+        "ExecStopPost=!/bin/sh",
+        "ExecStart=!!/x",
+        "ExecStartPost=@-+/x",
+    ):
         assert ROOT_LINE.search(line), line
     for line in ("ExecStart=/usr/bin/python3 -I x", "ExecStartPre=-/bin/true", "ExecStart=@/bin/sh sh"):
         assert not ROOT_LINE.search(line), line

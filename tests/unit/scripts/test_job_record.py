@@ -117,7 +117,11 @@ def test_the_recorder_never_chmods_a_racers_link(fake_pynvml, monkeypatch, recor
 
 def test_finish_writes_the_mark_only_when_systemd_says_the_job_ended_0(records):
     recorder = load_recorder()
-    for result, code, status in (("success", "killed", "TERM"), ("success", "exited", "143"), ("exit-code", "exited", "1")):
+    for result, code, status in (
+        ("success", "killed", "TERM"),
+        ("success", "exited", "143"),
+        ("exit-code", "exited", "1"),
+    ):
         env = {"MONITOR_SERVICE_RESULT": result, "MONITOR_EXIT_CODE": code, "MONITOR_EXIT_STATUS": status}
         assert recorder.main(["finish", str(records)], env) == 0
         assert not (records / "completed").exists(), env
