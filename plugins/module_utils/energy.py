@@ -89,7 +89,7 @@ def job_run_energy(
 ) -> dict[str, Any]:
     """Return the energy a job run used on a node: each GPU's counter now (gpu_facts' gpus, with
     uuid and energy_total_j) against the counters recorded when the job's unit started (start:
-    {"time": epoch s, "gpus": {uuid: joules}}, written by budgetgpu-job-energy).
+    {"time": epoch s, "gpus": {uuid: joules}}, written by root's budgetgpu-job-record at each start).
 
     All its GPUs, not the job's share: the node's GPUs are the job's while it runs. A GPU whose
     counter went back (the driver reloaded since) or that has no counter is left out and named.
