@@ -466,9 +466,9 @@ def plant_hostile_environment(tmp_path: Path) -> dict[str, str]:
     wrapper = f'#!/bin/sh\necho "{EVIL} path $0 uid=$(id -u)" >&2\nexec /usr/bin/$(basename "$0") "$@"\n'
     sitecustomize = f'import os, sys\nprint(f"{EVIL} sitecustomize uid={{os.getuid()}}", file=sys.stderr)\n'
     for node in NODES:
-        subprocess.run(["docker", "cp", str(library), f"{node}:/tmp/evil.so"], check=True)
-        sh(node, "chmod 644 /tmp/evil.so")
-        as_job_user(node, f"mkdir -p {evil}/bin {evil}/py && cp /tmp/evil.so {evil}/evil.so")
+        as_job_user(node, f"mkdir -p {evil}/bin {evil}/py")
+        copy = ["docker", "exec", "-i", "-u", "budgetgpu", node, "sh", "-c", f"cat > {evil}/evil.so"]
+        subprocess.run(copy, input=library.read_bytes(), capture_output=True, timeout=60, check=True)
         for name in ("python3", "env", "sh", "touch", "rm"):
             as_job_user(node, f"cat > {evil}/bin/{name} && chmod 755 {evil}/bin/{name}", wrapper)
         as_job_user(node, f"cat > {evil}/py/sitecustomize.py", sitecustomize)
