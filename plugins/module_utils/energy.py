@@ -149,7 +149,7 @@ def job_run_energy(
     """Return the energy a job run used on a node: each GPU's counter now (gpu_facts' gpus, with
     uuid and energy_total_j) against the counters recorded when the job's unit started (start:
     {"time": epoch s, "gpus": {uuid: joules}, "cpu": {"time", "joules"} (optional)}, written by
-    budgetgpu-job-energy), and, given now (epoch s), the rest of the node over the run's hours
+    root's budgetgpu-job-record at each start), and, given now (epoch s), the rest of the node over the run's hours
     (rest_of_node: budgetgpu_node_base_watts, less the CPU where RAPL measured it at the start and
     now, cpu_now being the RAPL reader's state).
 

@@ -485,7 +485,7 @@ def health_sample(nvml: Any) -> dict[str, Any]:
 def energy_counters(nvml: Any) -> dict[str, float]:
     """Return {uuid: joules since the driver loaded} of every GPU with the total-energy counter (Volta
     and newer; power_fields' energy_total_j): what a job's unit records at its start
-    (roles/torchrun/files/budgetgpu-job-energy). NVML failing to start gives {}."""
+    (roles/torchrun/files/budgetgpu-job-record, run by root's budgetgpu-job-start@ unit). NVML failing to start gives {}."""
     counters = {}
     try:
         with session(nvml):

@@ -90,10 +90,9 @@ JOB_DEFAULTS: dict[str, Any] = {
 }
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
 STATE_ROOT = "/var/lib/budgetgpu/jobs"
-# In a job's state directory: rank 0's latest status (step, steps per second, straggler line) and
-# the GPUs' energy counters when the unit started (the unit's ExecStartPre writes it).
+# In a job's state directory: rank 0's latest status (step, steps per second, straggler line). The
+# GPUs' energy counters at the unit's start are root's (roles/torchrun vars' records directory).
 STATUS_FILE = "status.json"
-ENERGY_START_FILE = "energy-start.json"
 ENV_DIR = "/etc/budgetgpu/jobs"
 
 

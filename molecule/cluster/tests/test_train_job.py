@@ -24,8 +24,19 @@ UNIT = "budgetgpu-job-e2e.service"
 CKPT_DIR = "/var/lib/budgetgpu/jobs/e2e/checkpoints"
 CKPT_EVERY = 20  # checkpoint_every_steps in molecule.yml
 LOG_EVERY = 5
-# Longer than node2's unit could last with the old units: 2 failed starts (60 s each) + restarts.
-OUTAGE_S = 140
+# torchrun's store timeout: each start of the old units that found no master failed after it.
+STORE_TIMEOUT_S = 60
+JOB_DIR = "/var/lib/budgetgpu/jobs/e2e"
+RECORDS = "/var/lib/budgetgpu/job-records/e2e"
+# An Exec line that runs as root ("+", "!" or "!!" among its prefixes).
+ROOT_LINE = r"^Exec[A-Za-z]+=[-@:|]*[+!]"
+# What the job's hostile environment runs prints this with its uid, into whichever unit's journal.
+EVIL = "BUDGETGPU-EVIL"
+LD_PRELOAD_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void evil(void) { fprintf(stderr, "BUDGETGPU-EVIL ld_preload uid=%d\n", getuid()); }
+"""
 REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY", Path(__file__).resolve().parents[3]))
 STEP = re.compile(r"^step=(\d+) loss=([\d.]+) world=(\d+) restarts=(\d+)")
 DIRECTIVES = (
@@ -119,11 +130,19 @@ def wait_for_resume(before: dict[str, int], what: str) -> int:
     return min(resumed)
 
 
-def playbook(*args: str) -> str:
+def as_job_user(node: str, command: str, stdin: str | None = None) -> str:
+    """Run command on node as the job's user, as a login shell or the job itself would."""
+    proc = subprocess.run(["docker", "exec", "-i", "-u", "budgetgpu", node, "sh", "-c", command], input=stdin,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert proc.returncode == 0, f"{node}: `{command}` as budgetgpu failed ({proc.returncode}): {proc.stderr.strip()}"
+    return proc.stdout
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess[str]:
     """Run playbooks/train.yml against the scenario's nodes, as a user would."""
     ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")
-    proc = subprocess.run(
+    return subprocess.run(
         [str(ansible_playbook), "-i", os.environ["MOLECULE_INVENTORY_FILE"], str(REPO / "playbooks/train.yml"), *args],
         cwd=REPO,
         env=env,
@@ -132,6 +151,10 @@ def playbook(*args: str) -> str:
         timeout=420,
         check=False,
     )
+
+
+def playbook(*args: str) -> str:
+    proc = run_train(*args)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -161,6 +184,17 @@ def test_units_verify_clean_and_the_job_runs_as_budgetgpu():
         assert len(users) == 3, users  # torchrun and its 2 workers
         assert {line.split()[0] for line in users} == {"budgetgpu"}, users
         assert sum("train_ddp.py" in line and "torchrun" not in line for line in users) == 2, users
+        # Nothing of the job's runs as root: no root line in a unit that reads the job's environment.
+        assert sh(node, f"grep -E '{ROOT_LINE}' /etc/systemd/system/budgetgpu-job-*.service", check=False) == ""
+        # Root's directories are root's alone (no mkdir -p gave a parent to the job's user); the job's is its own.
+        owners = sh(node, f"stat -c '%n %U %a' /var/lib/budgetgpu /var/lib/budgetgpu/jobs {RECORDS} {JOB_DIR}")
+        assert owners.split("\n")[:4] == [
+            "/var/lib/budgetgpu root 755", "/var/lib/budgetgpu/jobs root 755", f"{RECORDS} root 755",
+            f"{JOB_DIR} budgetgpu 751",
+        ], owners  # fmt: skip
+        # The energy counters that bill the run: written by root, in root's directory, at this start.
+        assert sh(node, f"stat -c '%U %a' {RECORDS}/energy-start.json").strip() == "root 644"
+        assert "gpus" in json.loads(sh(node, f"cat {RECORDS}/energy-start.json"))
 
 
 def test_the_nodes_have_a_stock_hosts_file_and_the_master_hosts_the_store():
@@ -282,7 +316,7 @@ def test_a_changed_input_is_restart_pending_without_a_restart():
     assert main_pids() == before
     for node in NODES:
         assert "E2E_MARK" in sh(node, "cat /etc/budgetgpu/jobs/e2e.env")
-        sh(node, "test -f /var/lib/budgetgpu/jobs/e2e/restart-pending")
+        sh(node, f"test -f {RECORDS}/restart-pending")  # root's mark, in root's directory
 
 
 def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
@@ -329,7 +363,9 @@ def test_a_stopped_and_started_node_rejoins_and_resumes():
         assert any(peer_stop in line for line in new_lines(before)["cluster-node1"])
     saved_before = max(max(checkpoints(node), default=0) for node in NODES)
     done_before = latest_step()
-    time.sleep(3)
+    # node1's ranks saw the peer stop and left the round: the restarted node joins the next one.
+    wait_for("node1's ranks to see node2 stop", lambda: any(
+        "a peer stopped at step" in line for line in new_lines(before)["cluster-node1"]), 60)  # fmt: skip
     sh("cluster-node2", f"systemctl start {UNIT}")
     step_at = wait_for_resume(before, "after the node came back")
     print(f"node stop: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at}")
@@ -339,13 +375,28 @@ def test_a_stopped_and_started_node_rejoins_and_resumes():
 
 def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit():
     """Two failed starts in 10 minutes (molecule.yml) would leave node2's unit failed for good: each
-    torchrun start that finds no store fails after 60 s. node2 waits for the master instead."""
+    torchrun start that finds no store fails after 60 s. node2 waits for the master instead: its launcher
+    says so, and is still waiting, in the same start, once a whole store timeout has passed (it reports
+    every 60 s), where the old units had spent a start. No fixed outage: the waits end on those lines."""
     before = {node: len(journal(node)) for node in NODES}
     # The starts of the tests before count against the limit too: begin with a clean count.
     sh("cluster-node2", f"systemctl reset-failed {UNIT}")
     restarts = int(show("cluster-node2", "NRestarts"))
     sh("cluster-node1", f"systemctl stop {UNIT}")
-    time.sleep(OUTAGE_S)
+    started = time.monotonic()
+
+    def node2_says(text: str) -> list[str]:
+        return [line for line in new_lines(before)["cluster-node2"] if text in line]
+
+    wait_for("node2's launcher to wait for the master", lambda: node2_says("does not answer: waiting for it"), 240)
+    waiting_pid = show("cluster-node2", "MainPID")
+    wait_for(
+        f"node2's launcher to be still waiting after a store timeout ({STORE_TIMEOUT_S} s)",
+        lambda: node2_says("still waiting for the master's rendezvous"),
+        STORE_TIMEOUT_S + 60,
+    )
+    print(f"outage: node2 waited out a store timeout {time.monotonic() - started:.0f} s after the master stopped")
+    assert show("cluster-node2", "MainPID") == waiting_pid, "node2's unit started again while waiting"
     state = {p: show("cluster-node2", p) for p in ("ActiveState", "SubState", "Result")}
     assert state["ActiveState"] != "failed", (state, new_lines(before)["cluster-node2"][-30:])
     assert int(show("cluster-node2", "NRestarts")) - restarts <= 1
@@ -370,18 +421,95 @@ def test_the_job_stops_cleanly_on_all_nodes():
     assert final, "a checkpoint at the stop"
 
 
-def test_a_finished_job_stays_finished_until_restarted():
+def test_root_follows_no_link_the_job_user_planted():
+    """With the job stopped, its user plants links in its own directory: checkpoints -> /opt/budgetgpu/bin
+    before a converge (root chowned the link's target to the job user, who then replaced a program root
+    runs), and status.json -> a root-only file, then -> /dev/zero, before job_state=status (root read the
+    file into the operator's run; /dev/zero grew it by gigabytes)."""
+    node = "cluster-node1"
+    as_job_user(node, f"mv {CKPT_DIR} {CKPT_DIR}.real && ln -s /opt/budgetgpu/bin {CKPT_DIR}")
+    try:
+        proc = run_train("-e", "job_state=stopped")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, out[-3000:]
+        assert f"job e2e: {CKPT_DIR} (workdir or checkpoint_dir) cannot be created" in out, out[-3000:]
+        assert "already exists as a link" in out, out[-3000:]
+    finally:
+        as_job_user(node, f"rm {CKPT_DIR} && mv {CKPT_DIR}.real {CKPT_DIR}")
+    assert sh(node, "stat -c '%U:%G' /opt/budgetgpu/bin /opt/budgetgpu/bin/budgetgpu-job-record").split() == [
+        "root:root", "root:root"]  # fmt: skip
+    sh(node, "umask 077 && echo BUDGETGPU-ROOT-ONLY > /root/budgetgpu-secret")
+    as_job_user(node, f"mv {JOB_DIR}/status.json {JOB_DIR}/status.json.real")
+    try:
+        for target in ("/root/budgetgpu-secret", "/dev/zero"):
+            as_job_user(node, f"ln -s {target} {JOB_DIR}/status.json")
+            started = time.monotonic()
+            out = playbook("-e", "job_state=status")
+            print(f"status with status.json -> {target}: {time.monotonic() - started:.0f} s")
+            assert "BUDGETGPU-ROOT-ONLY" not in out
+            assert f"{JOB_DIR}/status.json: not read" in out, out[-3000:]
+            assert out.count("energy since the job started: ") == 2, out[-3000:]
+            as_job_user(node, f"rm {JOB_DIR}/status.json")
+    finally:
+        as_job_user(node, f"mv {JOB_DIR}/status.json.real {JOB_DIR}/status.json")
+
+
+def plant_hostile_environment(tmp_path: Path) -> dict[str, str]:
+    """The job's user writes programs into its own directory and points its job's environment at them:
+    PATH (python3, env, sh, touch and rm that say who runs them), PYTHONPATH (a sitecustomize.py) and
+    LD_PRELOAD (a library whose constructor says who loads it). Returns that environment."""
+    library = tmp_path / "evil.so"
+    source = tmp_path / "evil.c"
+    source.write_text(LD_PRELOAD_C)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    evil = f"{JOB_DIR}/evil"
+    wrapper = f'#!/bin/sh\necho "{EVIL} path $0 uid=$(id -u)" >&2\nexec /usr/bin/$(basename "$0") "$@"\n'
+    sitecustomize = f'import os, sys\nprint(f"{EVIL} sitecustomize uid={{os.getuid()}}", file=sys.stderr)\n'
+    for node in NODES:
+        as_job_user(node, f"mkdir -p {evil}/bin {evil}/py")
+        copy = ["docker", "exec", "-i", "-u", "budgetgpu", node, "sh", "-c", f"cat > {evil}/evil.so"]
+        subprocess.run(copy, input=library.read_bytes(), capture_output=True, timeout=60, check=True)
+        for name in ("python3", "env", "sh", "touch", "rm"):
+            as_job_user(node, f"cat > {evil}/bin/{name} && chmod 755 {evil}/bin/{name}", wrapper)
+        as_job_user(node, f"cat > {evil}/py/sitecustomize.py", sitecustomize)
+        # The completed mark's old place, a link to where an empty file locks logins out (here a test path).
+        as_job_user(node, f"ln -sfn /etc/budgetgpu-test-nologin {JOB_DIR}/completed")
+    return {
+        "PATH": f"{evil}/bin:/usr/local/bin:/usr/bin:/bin",
+        "PYTHONPATH": f"{evil}/py:/opt/budgetgpu/examples",
+        "LD_PRELOAD": f"{evil}/evil.so",
+    }
+
+
+def root_mark(node: str) -> str:
+    return sh(node, f"stat -c '%U %F' {RECORDS}/completed", False).strip()
+
+
+def test_a_finished_job_stays_finished_until_restarted(tmp_path):
     """A job that ends (torchrun exits 0) is not started again by the next run, nor by a reboot's
-    start, until job_state=restarted. Here the job is restarted with a step limit it has passed."""
+    start, until job_state=restarted. Here the job is restarted with a step limit it has passed, and an
+    environment its user pointed at its own programs: they run for the job, never for root; the completed
+    mark is root's, and a `completed` link in the job's directory is not followed."""
+    environment = plant_hostile_environment(tmp_path)
+    since = {node: sh(node, "date +%s").strip() for node in NODES}
     short = {"torchrun_jobs": [{"name": "e2e", "script": "/opt/budgetgpu/examples/train_ddp.py",
                                 "args": ["--max-steps", "10", "--log-every", "5"], "nproc_per_node": 2,
                                 "checkpoint_every_steps": CKPT_EVERY, "checkpoint_every_minutes": 0,
-                                "rendezvous_timeout": 300}]}  # fmt: skip
+                                "rendezvous_timeout": 300, "environment": environment}]}  # fmt: skip
     playbook("-e", json.dumps(short), "-e", "job_state=restarted")
     for node in NODES:
         wait_for(f"{node}: the job to finish", lambda node=node: show(node, "ActiveState") == "inactive", 180)
         assert show(node, "Result") == "success" and show(node, "ExecMainStatus") == "0"
-        sh(node, "test -f /var/lib/budgetgpu/jobs/e2e/completed")
+        wait_for(f"{node}: root's completed mark", lambda node=node: root_mark(node) == "root regular file", 30)
+        assert sh(node, "test -e /etc/budgetgpu-test-nologin && echo followed", check=False) == ""
+        assert sh(node, f"readlink {JOB_DIR}/completed").strip() == "/etc/budgetgpu-test-nologin"
+        runs = sh(node, f"journalctl --since=@{since[node]} -o cat --no-pager | grep '^{EVIL} ' | sort | uniq -c",
+                  check=False)  # fmt: skip
+        uid = sh(node, "id -u budgetgpu").strip()
+        # The job's environment was in force for the job (sitecustomize, the preload)...
+        assert f"{EVIL} sitecustomize uid={uid}" in runs and f"{EVIL} ld_preload uid={uid}" in runs, runs
+        # ...and nothing of it ran as root.
+        assert "uid=0" not in runs, runs
     assert any(line.startswith("finished at step ") for line in journal("cluster-node1"))
     out = playbook("-e", json.dumps(short))  # what every nightly run does
     assert "job e2e finished (torchrun ended 0); it is not started again" in out

@@ -178,3 +178,19 @@ def test_floor_above_the_network_fails_naming_the_slowest_pair() -> None:
     assert not report["passed"]
     slowest = report["slowest_pair"]
     assert f"slowest pair {slowest['src']} -> {slowest['dst']}" in report["failures"][0]
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_the_comm_test_kills_no_pid_its_user_planted(name: str) -> None:
+    """The side effect's planter wrote a root process's pid into the test user's iperf3.pid for the whole
+    test: the release before killed that process as root. Now the servers are a unit root stops by name."""
+    host = node(name)
+    try:
+        assert host.run("systemctl is-active budgetgpu-test-planter.service").stdout.strip() == "active"
+        pid = host.check_output("systemctl show -p MainPID --value budgetgpu-test-victim.service")
+        assert host.run("systemctl is-active budgetgpu-test-victim.service").stdout.strip() == "active"
+        assert host.check_output("cat /var/lib/budgetgpu/comm-test/iperf3.pid") == pid  # still planted
+        assert host.run("pgrep -x iperf3").rc == 1, "an iperf3 server outlived the test"
+        assert host.run("systemctl is-active budgetgpu-comm-iperf3.service").stdout.strip() != "active"
+    finally:
+        host.run("systemctl stop budgetgpu-test-planter.service budgetgpu-test-victim.service")
