@@ -484,8 +484,9 @@ def health_sample(nvml: Any) -> dict[str, Any]:
 
 def energy_counters(nvml: Any) -> dict[str, float]:
     """Return {uuid: joules since the driver loaded} of every GPU with the total-energy counter (Volta
-    and newer; power_fields' energy_total_j): what a job's unit records at its start
-    (roles/torchrun/files/budgetgpu-job-record, run by root's budgetgpu-job-start@ unit). NVML failing to start gives {}."""
+    and newer; power_fields' energy_total_j): what root records at a job's start
+    (roles/torchrun/files/budgetgpu-job-record, run by budgetgpu-job-start@<job>.service). NVML failing
+    to start gives {}."""
     counters = {}
     try:
         with session(nvml):
