@@ -91,6 +91,13 @@ def test_the_device_cgroup_lets_a_job_open_only_its_gpus() -> None:
     assert sorted(answers.values()) == ["No such device or address"] + ["Operation not permitted"] * 3
 
 
+def test_the_cpuset_cgroup_confines_a_job_to_its_cores() -> None:
+    result = srun("-w slurm-node1 --ntasks=1 --cpus-per-task=1", "grep Cpus_allowed_list /proc/self/status")
+    assert result.rc == 0, result.stderr
+    allowed = result.stdout.split()[-1]
+    assert "," not in allowed and "-" not in allowed, f"one CPU expected, found {allowed}"
+
+
 def test_a_job_cannot_get_the_gpu_an_inference_worker_holds() -> None:
     result = srun("-w slurm-node2 --gres=gpu:rtx4090:2 --immediate=10", "true")
     assert result.rc != 0
@@ -135,3 +142,21 @@ def test_slurms_ports_refuse_a_host_outside_the_cluster(name: str, port: int) ->
     if port != 60001:
         reach = host(NODES[1]).run(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{_address(name)}/{port}'")
         assert reach.rc == 0, reach.stderr
+
+
+def test_the_batch_script_puts_the_rendezvous_on_the_first_nodes_cluster_address() -> None:
+    # A dry run prints each node's torchrun command: torch itself is not in this scenario.
+    ctl = host(CONTROLLER)
+    job = ctl.check_output(
+        "cd /tmp && runuser -u nobody -- env BUDGETGPU_DRY_RUN=1 sbatch --parsable --wait --nodes=2"
+        " --gres=gpu:rtx3090:2 --output=/tmp/torchrun-%j.out /opt/budgetgpu/slurm/torchrun.sbatch train.py --steps 5"
+    )
+    # The batch step runs on the job's first node, which writes the output there.
+    lines = sorted(host("slurm-node1").file(f"/tmp/torchrun-{job.strip()}.out").content_string.strip().splitlines())
+    first = _address("slurm-node1")
+    assert [line.split(":")[0] for line in lines] == list(NODES)
+    for line, name in zip(lines, NODES, strict=True):
+        assert f"--rdzv-endpoint={first}:" in line
+        assert f"--local-addr={_address(name)}" in line
+        assert "--nnodes=2 --nproc-per-node=2" in line
+        assert line.endswith(" train.py --steps 5")
