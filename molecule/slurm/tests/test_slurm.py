@@ -160,3 +160,19 @@ def test_the_batch_script_puts_the_rendezvous_on_the_first_nodes_cluster_address
         assert f"--local-addr={_address(name)}" in line
         assert "--nnodes=2 --nproc-per-node=2" in line
         assert line.endswith(" train.py --steps 5")
+
+
+def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
+    job = host(CONTROLLER).check_output(
+        "cd /tmp && runuser -u nobody -- sbatch --parsable --wait -w slurm-node1 --gres=gpu:2 --wrap 'sleep 2'"
+    )
+    node = host("slurm-node1")
+    jobs_dir = node.file("/var/lib/budgetgpu/slurm-jobs")
+    assert (jobs_dir.user, jobs_dir.mode) == ("root", 0o755)
+    record_file = node.file(f"/var/lib/budgetgpu/slurm-jobs/{job.strip()}.json")
+    assert (record_file.user, record_file.group, record_file.mode) == ("root", "root", 0o644)
+    record = json.loads(record_file.content_string)
+    assert (record["job"], record["user"], len(record["gpus"])) == (job.strip(), "nobody", 2)
+    # The simulated GPUs have NVML's energy counter: both of the job's GPUs are counted, none other.
+    assert len(record["joules"]) == 2 and all(j >= 0 for j in record["joules"].values())
+    assert record["seconds"] >= 2
