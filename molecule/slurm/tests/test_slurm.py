@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -170,8 +171,12 @@ def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
     jobs_dir = node.file("/var/lib/budgetgpu/slurm-jobs")
     assert (jobs_dir.user, jobs_dir.mode) == ("root", 0o755)
     record_file = node.file(f"/var/lib/budgetgpu/slurm-jobs/{job.strip()}.json")
+    # sbatch --wait may return while the epilog still runs (the job is completing).
+    deadline = time.monotonic() + 60
+    while "kwh" not in (record := json.loads(record_file.content_string or "{}")):
+        assert time.monotonic() < deadline, f"no end record: {record}"
+        time.sleep(1)
     assert (record_file.user, record_file.group, record_file.mode) == ("root", "root", 0o644)
-    record = json.loads(record_file.content_string)
     assert (record["job"], record["user"], len(record["gpus"])) == (job.strip(), "nobody", 2)
     # The simulated GPUs have NVML's energy counter: both of the job's GPUs are counted, none other.
     assert len(record["joules"]) == 2 and all(j >= 0 for j in record["joules"].values())
