@@ -109,29 +109,13 @@ def _core_range(numa_node: Any, layout: Mapping[str, int]) -> str | None:
     return f"{first}-{first + per_socket - 1}"
 
 
-def slurm_node(
-    hostvars: Mapping[str, Any],
-    host: str,
-    services: list[Mapping[str, Any]] | None = None,
-    jobs: list[Mapping[str, Any]] | None = None,
-    margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT,
-) -> dict[str, Any]:
-    """Return what Slurm is told about host: {host, name (its hostname, which slurmd answers to), address
-    (the cluster address), layout (cpu_layout), real_memory, gpus [{index, uuid, bus_id, type, file,
-    cores}], left_out [{index, bus_id, why}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
-    gpu_facts joined by bus id with pcie_facts (device id, NUMA node). ValueError naming host and what
-    is missing."""
-    facts = _facts(hostvars, host)
-    try:
-        layout = cpu_layout(facts)
-        memory = real_memory(facts.get("memtotal_mb"), margin_pct)
-    except ValueError as exc:
-        raise ValueError(f"{host}: {exc}") from None
-    gpu_fact, pcie_fact = facts.get("budgetgpu_gpus"), facts.get("budgetgpu_pcie")
-    if not isinstance(gpu_fact, Mapping) or not isinstance(pcie_fact, Mapping):
-        raise ValueError(f"{host}: found no budgetgpu_gpus/budgetgpu_pcie facts, expected the probe's (run role probe)")
+def _node_gpus(
+    facts: Mapping[str, Any], layout: Mapping[str, int], held: Mapping[int, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Return (the GPUs Slurm may hand out, those left out with who holds them, problems) from gpu_facts
+    joined by bus id with pcie_facts."""
+    gpu_fact, pcie_fact = facts["budgetgpu_gpus"], facts["budgetgpu_pcie"]
     pcie = {str(g.get("bus_id", "")).lower(): g for g in pcie_fact.get("gpus") or [] if isinstance(g, Mapping)}
-    held = held_gpus(hostvars, host, services, jobs)
     gpus, left_out, problems = [], [], []
     for gpu in sorted(gpu_fact.get("gpus") or [], key=lambda g: g.get("index", 0)):
         index, bus_id = gpu.get("index"), str(gpu.get("bus_id", "")).lower()
@@ -160,6 +144,30 @@ def slurm_node(
                 "cores": _core_range(link.get("numa_node"), layout),
             }
         )
+    return gpus, left_out, problems
+
+
+def slurm_node(
+    hostvars: Mapping[str, Any],
+    host: str,
+    services: list[Mapping[str, Any]] | None = None,
+    jobs: list[Mapping[str, Any]] | None = None,
+    margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT,
+) -> dict[str, Any]:
+    """Return what Slurm is told about host: {host, name (its hostname, which slurmd answers to), address
+    (the cluster address), layout (cpu_layout), real_memory, gpus [{index, uuid, bus_id, type, file,
+    cores}], left_out [{index, bus_id, why}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
+    gpu_facts joined by bus id with pcie_facts (device id, NUMA node). ValueError naming host and what
+    is missing."""
+    facts = _facts(hostvars, host)
+    try:
+        layout = cpu_layout(facts)
+        memory = real_memory(facts.get("memtotal_mb"), margin_pct)
+    except ValueError as exc:
+        raise ValueError(f"{host}: {exc}") from None
+    if not isinstance(facts.get("budgetgpu_gpus"), Mapping) or not isinstance(facts.get("budgetgpu_pcie"), Mapping):
+        raise ValueError(f"{host}: found no budgetgpu_gpus/budgetgpu_pcie facts, expected the probe's (run role probe)")
+    gpus, left_out, problems = _node_gpus(facts, layout, held_gpus(hostvars, host, services, jobs))
     if problems:
         raise ValueError(f"{host}: " + "; ".join(problems))
     counts: dict[str, int] = {}
