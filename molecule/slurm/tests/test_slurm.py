@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -48,7 +49,7 @@ def sinfo() -> dict[str, tuple[str, str]]:
 
 def srun(args: str, command: str) -> subprocess.CompletedProcess[str]:
     """Run srun on the controller (so its I/O ports cross the firewall from the nodes) as a user."""
-    return host(CONTROLLER).run(f"runuser -u nobody -- timeout 120 srun {args} bash -c {command!r}")
+    return host(CONTROLLER).run(f"runuser -u nobody -- timeout 120 srun {args} bash -c {shlex.quote(command)}")
 
 
 @pytest.mark.parametrize("name", NODES)
