@@ -1,0 +1,188 @@
+"""Slurm on a container cluster: each node's GPUs in sinfo with the probe's types and counts (less the
+GPU an inference worker holds), srun jobs that get exactly the GPUs they ask for and can open only
+those device nodes, one munge key everywhere, and Slurm's ports closed to a host outside the cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import testinfra
+
+CONTROLLER = "slurm-controller"
+NODES = ("slurm-node1", "slurm-node2")
+NETWORK = "budgetgpu-molecule-slurm"
+PROFILES = Path(__file__).resolve().parents[3] / "roles" / "gpu_sim" / "files" / "profiles"
+STATE = Path(os.environ.get("MOLECULE_EPHEMERAL_DIRECTORY", "/nonexistent")) / "state"
+# The GRES types the issue names for these PCI device ids; node2's GPU 2 (an RTX 4090) serves the
+# inventory's inference service, so Slurm must not have it.
+TYPES = {"0x2204": "rtx3090", "0x2684": "rtx4090"}
+PROFILE = {"slurm-node1": "rtx3090x4-risers", "slurm-node2": "mixed-3090-4090"}
+HELD = {"slurm-node1": set(), "slurm-node2": {2}}
+
+
+def host(name: str) -> testinfra.host.Host:
+    return testinfra.get_host(f"docker://{name}")
+
+
+def expected_gres(name: str) -> dict[str, int]:
+    """Return {type: count} from the node's simulated profile (NVML index order), less the held GPUs."""
+    profile = json.loads((PROFILES / f"{PROFILE[name]}.json").read_text())
+    gpus = [f["device"] for f in profile["pci"] if "nvml" in f]
+    counts: dict[str, int] = {}
+    for index, device in enumerate(gpus):
+        if index not in HELD[name]:
+            counts[TYPES[device]] = counts.get(TYPES[device], 0) + 1
+    return counts
+
+
+def sinfo() -> dict[str, tuple[str, str]]:
+    out = host(CONTROLLER).check_output("sinfo --noheader --Node --format='%N|%G|%T'")
+    return {n: (g, t) for n, g, t in (line.split("|") for line in out.splitlines())}
+
+
+def srun(args: str, command: str) -> subprocess.CompletedProcess[str]:
+    """Run srun on the controller (so its I/O ports cross the firewall from the nodes) as a user."""
+    return host(CONTROLLER).run(f"runuser -u nobody -- timeout 120 srun {args} bash -c {shlex.quote(command)}")
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_sinfo_shows_the_probes_gpu_types_and_counts(name: str) -> None:
+    # On two loaded cores a ping may time out for a moment ("idle*", not responding): wait it out.
+    deadline = time.monotonic() + 120
+    while (found := sinfo()[name])[1] != "idle" and time.monotonic() < deadline:
+        time.sleep(3)
+    gres, state = found
+    # "gpu:rtx3090:2,gpu:rtx4090:1" (sinfo may add the socket binding: "(S:0)").
+    found = {part.split(":")[1]: int(part.split(":")[2].split("(")[0]) for part in gres.split(",")}
+    assert found == expected_gres(name)
+    assert state == "idle"
+
+
+def test_the_held_gpu_is_left_out_of_gres_conf() -> None:
+    gres = host("slurm-node2").file("/etc/slurm/gres.conf").content_string
+    lines = [line for line in gres.splitlines() if line.startswith("NodeName=slurm-node2 ")]
+    assert [line.split("File=")[1].split()[0] for line in lines] == ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia3"]
+    assert (
+        "GPU 2 (0000:41:00.0) left out: inference worker budgetgpu-infer-embed@0.service"
+        in host(CONTROLLER).file("/etc/slurm/slurm.conf").content_string
+    )
+
+
+def test_real_memory_lies_below_what_slurmd_detects() -> None:
+    detected = int(host("slurm-node1").check_output("slurmd -C").split("RealMemory=")[1].split()[0])
+    conf = host(CONTROLLER).check_output("scontrol show node slurm-node1")
+    configured = int(conf.split("RealMemory=")[1].split()[0])
+    assert detected - 512 >= configured >= detected * 0.9
+
+
+def test_a_job_that_asks_for_two_gpus_sees_exactly_two() -> None:
+    result = srun("-w slurm-node1 --gres=gpu:2", "echo $CUDA_VISIBLE_DEVICES")
+    assert result.rc == 0, result.stderr
+    assert len(result.stdout.strip().split(",")) == 2
+
+
+def test_the_device_cgroup_lets_a_job_open_only_its_gpus() -> None:
+    # With no driver behind them, an allowed device node answers ENXIO; a denied one EPERM.
+    probe = "for d in /dev/nvidia[0-9]*; do echo $d $(head -c1 $d 2>&1 | sed 's/.*: //'); done"
+    result = srun("-w slurm-node1 --gres=gpu:rtx3090:1", probe)
+    assert result.rc == 0, result.stderr
+    answers = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+    assert sorted(answers.values()) == ["No such device or address"] + ["Operation not permitted"] * 3
+
+
+def test_the_cpuset_cgroup_confines_a_job_to_its_cores() -> None:
+    result = srun("-w slurm-node1 --ntasks=1 --cpus-per-task=1", "grep Cpus_allowed_list /proc/self/status")
+    assert result.rc == 0, result.stderr
+    allowed = result.stdout.split()[-1]
+    assert "," not in allowed and "-" not in allowed, f"one CPU expected, found {allowed}"
+
+
+def test_a_job_cannot_get_the_gpu_an_inference_worker_holds() -> None:
+    result = srun("-w slurm-node2 --gres=gpu:rtx4090:2 --immediate=10", "true")
+    assert result.rc != 0
+    assert "Requested node configuration is not available" in result.stderr
+
+
+def test_a_job_spans_both_nodes() -> None:
+    result = srun("--nodes=2 --gres=gpu:rtx3090:2", "echo $(hostname) $CUDA_VISIBLE_DEVICES")
+    assert result.rc == 0, result.stderr
+    lines = sorted(result.stdout.strip().splitlines())
+    assert [line.split()[0] for line in lines] == list(NODES)
+    assert all(len(line.split()[1].split(",")) == 2 for line in lines)
+
+
+def test_one_munge_key_everywhere() -> None:
+    sums = set()
+    for name in (CONTROLLER, *NODES):
+        key = host(name).file("/etc/munge/munge.key")
+        assert (key.user, key.group, key.mode) == ("munge", "munge", 0o400)
+        sums.add(host(name).check_output("sha256sum /etc/munge/munge.key").split()[0])
+    assert len(sums) == 1
+    assert (STATE / "slurm" / "munge.key").stat().st_mode & 0o777 == 0o600
+    # A credential made on the controller is accepted on a node.
+    credential = host(CONTROLLER).check_output("munge -n")
+    assert host("slurm-node1").run(f"echo {credential} | unmunge").rc == 0
+
+
+def _address(container: str) -> str:
+    out = subprocess.check_output(
+        ["docker", "inspect", "-f", f'{{{{(index .NetworkSettings.Networks "{NETWORK}").IPAddress}}}}', container],
+        text=True,
+    )
+    return out.strip()
+
+
+@pytest.mark.parametrize(("name", "port"), [(CONTROLLER, 6817), ("slurm-node1", 6818), ("slurm-node1", 60001)])
+def test_slurms_ports_refuse_a_host_outside_the_cluster(name: str, port: int) -> None:
+    # This machine is on the scenario's network (its gateway) but is no cluster host: the table resets it.
+    with pytest.raises(ConnectionRefusedError), socket.create_connection((_address(name), port), timeout=10):
+        pass
+    # The cluster's own hosts reach the port (slurmd answers; nothing listens on the srun range).
+    if port != 60001:
+        reach = host(NODES[1]).run(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{_address(name)}/{port}'")
+        assert reach.rc == 0, reach.stderr
+
+
+def test_the_batch_script_puts_the_rendezvous_on_the_first_nodes_cluster_address() -> None:
+    # A dry run prints each node's torchrun command: torch itself is not in this scenario.
+    ctl = host(CONTROLLER)
+    job = ctl.check_output(
+        "cd /tmp && runuser -u nobody -- env BUDGETGPU_DRY_RUN=1 sbatch --parsable --wait --nodes=2"
+        " --gres=gpu:rtx3090:2 --output=/tmp/torchrun-%j.out /opt/budgetgpu/slurm/torchrun.sbatch train.py --steps 5"
+    )
+    # The batch step runs on the job's first node, which writes the output there.
+    lines = sorted(host("slurm-node1").file(f"/tmp/torchrun-{job.strip()}.out").content_string.strip().splitlines())
+    first = _address("slurm-node1")
+    assert [line.split(":")[0] for line in lines] == list(NODES)
+    for line, name in zip(lines, NODES, strict=True):
+        assert f"--rdzv-endpoint={first}:" in line
+        assert f"--local-addr={_address(name)}" in line
+        assert "--nnodes=2 --nproc-per-node=2" in line
+        assert line.endswith(" train.py --steps 5")
+
+
+def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
+    job = host(CONTROLLER).check_output(
+        "cd /tmp && runuser -u nobody -- sbatch --parsable --wait -w slurm-node1 --gres=gpu:2 --wrap 'sleep 2'"
+    )
+    node = host("slurm-node1")
+    jobs_dir = node.file("/var/lib/budgetgpu/slurm-jobs")
+    assert (jobs_dir.user, jobs_dir.mode) == ("root", 0o755)
+    record_file = node.file(f"/var/lib/budgetgpu/slurm-jobs/{job.strip()}.json")
+    # sbatch --wait may return while the epilog still runs (the job is completing).
+    deadline = time.monotonic() + 60
+    while "kwh" not in (record := json.loads(record_file.content_string or "{}")):
+        assert time.monotonic() < deadline, f"no end record: {record}"
+        time.sleep(1)
+    assert (record_file.user, record_file.group, record_file.mode) == ("root", "root", 0o644)
+    assert (record["job"], record["user"], len(record["gpus"])) == (job.strip(), "nobody", 2)
+    # The simulated GPUs have NVML's energy counter: both of the job's GPUs are counted, none other.
+    assert len(record["joules"]) == 2 and all(j >= 0 for j in record["joules"].values())
+    assert record["seconds"] >= 2

@@ -1,0 +1,285 @@
+"""What Slurm is told about the nodes (role slurm): each node's slurm.conf line (CPUs, sockets, cores,
+threads and memory from its facts, RealMemory with a margin below what slurmd detects), its GPUs as
+GRES (File= the device node by minor number, Type= a stable name from the PCI device id, Cores= from
+the GPU's NUMA node), leaving out the GPUs that inference workers or systemd training jobs hold, and
+what cgroup.conf may constrain on the node's kernel. Controller side, pure over hostvars."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    inference_workers,
+    node_address,
+    training_gpus,
+)
+
+# Below what slurmd detects: a node whose RealMemory is above what slurmd finds is drained ("Low
+# RealMemory"), and the kernel's MemTotal moves by a few MiB between boots and kernels.
+DEFAULT_MEMORY_MARGIN_PCT = 5
+MIN_MEMORY_MARGIN_MIB = 512
+
+# The character device of NVIDIA GPU N (major 195, minor N), as the driver creates it.
+NVIDIA_DEVICE = "/dev/nvidia{minor}"
+
+
+def gres_type(device_id: Any) -> str:
+    """Return the GRES type of a GPU model, from its PCI device id (as gpu_bench's model_key identifies
+    models: names differ between drivers, the id does not): the name pcie.GPU_NAMES gives it, lower
+    case, without "GeForce" and spaces ("GeForce RTX 3090" -> "rtx3090", "H200" -> "h200"), else
+    "nvidia_<id>" ("nvidia_2b00"). ValueError for no id or a malformed one."""
+    try:
+        number = device_id if isinstance(device_id, int) else int(str(device_id).strip(), 16)
+    except ValueError:
+        raise ValueError(f"found PCI device id {device_id!r}, expected a hex id such as 0x2204") from None
+    name = GPU_NAMES.get(number)
+    if name is None:
+        return f"nvidia_{number:04x}"
+    return re.sub(r"[^a-z0-9]", "", name.lower().replace("geforce", ""))
+
+
+def _facts(hostvars: Mapping[str, Any], host: str) -> Mapping[str, Any]:
+    hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
+    facts = hv.get("ansible_facts") if isinstance(hv, Mapping) else None
+    return facts if isinstance(facts, Mapping) else {}
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def real_memory(memtotal_mib: Any, margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT) -> int:
+    """Return RealMemory (MiB) for a node whose kernel reports memtotal_mib: margin_pct below it, and at
+    least MIN_MEMORY_MARGIN_MIB below (a small node's 5% is less than a kernel update moves)."""
+    total, margin = _int(memtotal_mib), _int(margin_pct)
+    if total is None or total <= 0:
+        raise ValueError(f"found memtotal_mb {memtotal_mib!r}, expected the node's memory in MiB (gather facts)")
+    if margin is None or not 0 <= margin < 100:
+        raise ValueError(f"slurm_memory_margin_pct: found {margin_pct!r}, expected a percentage from 0 to 99")
+    return max(1, min(total * (100 - margin) // 100, total - MIN_MEMORY_MARGIN_MIB))
+
+
+def cpu_layout(facts: Mapping[str, Any]) -> dict[str, int]:
+    """Return {CPUs, Sockets, CoresPerSocket, ThreadsPerCore} from a node's setup facts; where the
+    facts do not multiply out (a VM without physical ids), {CPUs} alone: Slurm then counts every CPU
+    as a core of one socket, which slurmd never finds lower than configured."""
+    cpus = _int(facts.get("processor_vcpus"))
+    if not cpus:
+        found = facts.get("processor_vcpus")
+        raise ValueError(f"found processor_vcpus {found!r}, expected the CPU count (gather facts)")
+    sockets = _int(facts.get("processor_count"))
+    cores = _int(facts.get("processor_cores"))
+    threads = _int(facts.get("processor_threads_per_core"))
+    if sockets and cores and threads and sockets * cores * threads == cpus:
+        return {"CPUs": cpus, "Sockets": sockets, "CoresPerSocket": cores, "ThreadsPerCore": threads}
+    return {"CPUs": cpus}
+
+
+def held_gpus(
+    hostvars: Mapping[str, Any],
+    host: str,
+    services: list[Mapping[str, Any]] | None,
+    jobs: list[Mapping[str, Any]] | None,
+) -> dict[int, str]:
+    """Return {GPU index: who holds it} on host: the inference workers (the service model's placement,
+    services normalised by inference_services_normalize) and the started systemd training jobs."""
+    held = {index: f"training job {job}" for index, job in training_gpus(jobs, hostvars, host).items()}
+    for service in services or []:
+        if service.get("state") == "absent":
+            continue
+        for worker in inference_workers(service, hostvars, host, jobs):
+            held.setdefault(int(worker["gpu_index"]), f"inference worker {worker['unit']}")
+    return held
+
+
+def _core_range(numa_node: Any, layout: Mapping[str, int]) -> str | None:
+    """Slurm numbers cores socket by socket (socket s holds cores s*CoresPerSocket...): a GPU on NUMA
+    node n of a node with one NUMA node per socket is local to socket n's cores. One socket, an unknown
+    NUMA node or more NUMA nodes than sockets (AMD's NPS4): None, every core may drive it."""
+    sockets, per_socket, node = layout.get("Sockets"), layout.get("CoresPerSocket"), _int(numa_node)
+    if not sockets or sockets < 2 or not per_socket or node is None or not 0 <= node < sockets:
+        return None
+    first = node * per_socket
+    return f"{first}-{first + per_socket - 1}"
+
+
+def _node_gpus(
+    facts: Mapping[str, Any], layout: Mapping[str, int], held: Mapping[int, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Return (the GPUs Slurm may hand out, those left out with who holds them, problems) from gpu_facts
+    joined by bus id with pcie_facts."""
+    gpu_fact, pcie_fact = facts["budgetgpu_gpus"], facts["budgetgpu_pcie"]
+    pcie = {str(g.get("bus_id", "")).lower(): g for g in pcie_fact.get("gpus") or [] if isinstance(g, Mapping)}
+    gpus, left_out, problems = [], [], []
+    for gpu in sorted(gpu_fact.get("gpus") or [], key=lambda g: g.get("index", 0)):
+        index, bus_id = gpu.get("index"), str(gpu.get("bus_id", "")).lower()
+        if index in held:
+            left_out.append({"index": index, "bus_id": bus_id, "why": held[index]})
+            continue
+        link = pcie.get(bus_id)
+        if link is None:
+            problems.append(f"GPU {index} ({bus_id}): found no PCI function in budgetgpu_pcie, expected one per GPU")
+            continue
+        try:
+            kind = gres_type(link.get("device_id"))
+        except ValueError as exc:
+            problems.append(f"GPU {index} ({bus_id}): {exc}")
+            continue
+        # The driver's minor number where the probe has it; the driver numbers GPUs in bus order, as
+        # NVML's index does, so the index stands in for it.
+        minor = gpu.get("minor_number", index)
+        gpus.append(
+            {
+                "index": index,
+                "uuid": gpu.get("uuid"),
+                "bus_id": bus_id,
+                "type": kind,
+                "file": NVIDIA_DEVICE.format(minor=minor),
+                "cores": _core_range(link.get("numa_node"), layout),
+            }
+        )
+    return gpus, left_out, problems
+
+
+def slurm_node(
+    hostvars: Mapping[str, Any],
+    host: str,
+    services: list[Mapping[str, Any]] | None = None,
+    jobs: list[Mapping[str, Any]] | None = None,
+    margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT,
+) -> dict[str, Any]:
+    """Return what Slurm is told about host: {host, name (its hostname, which slurmd answers to), address
+    (the cluster address), layout (cpu_layout), real_memory, gpus [{index, uuid, bus_id, type, file,
+    cores}], left_out [{index, bus_id, why}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
+    gpu_facts joined by bus id with pcie_facts (device id, NUMA node). ValueError naming host and what
+    is missing."""
+    facts = _facts(hostvars, host)
+    try:
+        layout = cpu_layout(facts)
+        memory = real_memory(facts.get("memtotal_mb"), margin_pct)
+    except ValueError as exc:
+        raise ValueError(f"{host}: {exc}") from None
+    if not isinstance(facts.get("budgetgpu_gpus"), Mapping) or not isinstance(facts.get("budgetgpu_pcie"), Mapping):
+        raise ValueError(f"{host}: found no budgetgpu_gpus/budgetgpu_pcie facts, expected the probe's (run role probe)")
+    gpus, left_out, problems = _node_gpus(facts, layout, held_gpus(hostvars, host, services, jobs))
+    if problems:
+        raise ValueError(f"{host}: " + "; ".join(problems))
+    counts: dict[str, int] = {}
+    for gpu in gpus:
+        counts[gpu["type"]] = counts.get(gpu["type"], 0) + 1
+    return {
+        "host": host,
+        "name": str(facts.get("hostname") or host),
+        "address": node_address(hostvars, host),
+        "layout": layout,
+        "real_memory": memory,
+        "gpus": gpus,
+        "left_out": left_out,
+        "gres": ",".join(f"gpu:{kind}:{count}" for kind, count in sorted(counts.items())),
+    }
+
+
+def slurm_nodes(
+    hosts: list[str],
+    hostvars: Mapping[str, Any],
+    services: list[Mapping[str, Any]] | None = None,
+    margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT,
+) -> list[dict[str, Any]]:
+    """Return slurm_node for every host, each with its own training jobs (its budgetgpu_jobs fact);
+    every bad host's problem in one ValueError."""
+    nodes, problems = [], []
+    for host in hosts:
+        jobs = _facts(hostvars, host).get("budgetgpu_jobs")
+        try:
+            nodes.append(slurm_node(hostvars, host, services, jobs if isinstance(jobs, list) else [], margin_pct))
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return nodes
+
+
+def node_conf_line(node: Mapping[str, Any]) -> str:
+    """Return the node's NodeName line of slurm.conf."""
+    words = [f"NodeName={node['name']}", f"NodeAddr={node['address']}"]
+    words += [f"{key}={value}" for key, value in node["layout"].items()]
+    words.append(f"RealMemory={node['real_memory']}")
+    if node.get("gres"):
+        words.append(f"Gres={node['gres']}")
+    return " ".join(words + ["State=UNKNOWN"])
+
+
+def gres_conf_lines(node: Mapping[str, Any]) -> list[str]:
+    """Return the node's gres.conf lines, one per GPU Slurm may hand out."""
+    lines = []
+    for gpu in node.get("gpus") or []:
+        line = f"NodeName={node['name']} Name=gpu Type={gpu['type']} File={gpu['file']}"
+        lines.append(line + (f" Cores={gpu['cores']}" if gpu.get("cores") else ""))
+    return lines
+
+
+def mem_per_cpu(node: Mapping[str, Any]) -> int:
+    """Return the node's RealMemory per CPU (MiB): what a job that asks for no memory gets per CPU."""
+    return max(1, int(node["real_memory"]) // int(node["layout"]["CPUs"]))
+
+
+# slurmd -G: "slurmd: Gres Name=gpu Type=rtx3090 Count=1 Index=0 ID=7696487 File=/dev/nvidia0 (null)"
+_GRES_FOUND = re.compile(r"Gres Name=gpu Type=(\S+) .*File=(\S+)")
+
+
+def gres_problems(node: Mapping[str, Any], slurmd_output: str) -> list[str]:
+    """Return what differs between the node's GPUs (slurm_node) and what `slurmd -G` found in gres.conf
+    on the node, one line per GPU naming host, GPU and both sides; slurmd's own error where it stopped
+    (a device node that is missing)."""
+    found = dict((file, kind) for kind, file in _GRES_FOUND.findall(slurmd_output or ""))
+    host, problems = node.get("host") or node.get("name"), []
+    for gpu in node.get("gpus") or []:
+        kind = found.pop(gpu["file"], None)
+        if kind != gpu["type"]:
+            seen = f"type {kind}" if kind else "nothing"
+            problems.append(
+                f"{host}: GPU {gpu['index']} ({gpu['bus_id']}): slurmd found {seen} at {gpu['file']}, "
+                f"expected type {gpu['type']} (the probe's)"
+            )
+    for file, kind in sorted(found.items()):
+        problems.append(f"{host}: slurmd found a {kind} GPU at {file} that the probe did not, expected none")
+    fatal = [line.strip() for line in (slurmd_output or "").splitlines() if "fatal:" in line or "error:" in line]
+    if problems and fatal:
+        problems.append(f"{host}: slurmd -G says: " + " / ".join(fatal))
+    return problems
+
+
+# What each cgroup.conf constraint needs from the kernel: cgroup v1 controllers (mounted hierarchies)
+# or cgroup v2 controllers (cgroup.controllers of the root).
+_CONSTRAINTS = {
+    "ConstrainCores": {"v1": ["cpuset"], "v2": ["cpuset"]},
+    "ConstrainRAMSpace": {"v1": ["memory"], "v2": ["memory"]},
+    # v2 filters devices with eBPF programs, which needs no controller of its own.
+    "ConstrainDevices": {"v1": ["devices"], "v2": []},
+}
+# What proctrack/cgroup needs to find a job's processes.
+_PROCTRACK = {"v1": ["freezer"], "v2": []}
+
+
+def cgroup_settings(filesystem: Any, controllers: list[str] | None) -> dict[str, Any]:
+    """Return {plugin (cgroup/v1|cgroup/v2), constrain {ConstrainX: bool}, proctrack_cgroup (bool),
+    missing [lines that say what is not constrained and why]} for a node whose /sys/fs/cgroup is of
+    filesystem type filesystem (cgroup2fs: v2, else v1 or hybrid) with these controllers available."""
+    version = "v2" if str(filesystem).strip() == "cgroup2fs" else "v1"
+    have = set(controllers or [])
+    constrain, missing = {}, []
+    for name, needs in _CONSTRAINTS.items():
+        lacking = [c for c in needs[version] if c not in have]
+        constrain[name] = not lacking
+        if lacking:
+            missing.append(f"{name}=no: the kernel's cgroup {version} has no {', '.join(lacking)} controller")
+    proctrack = all(c in have for c in _PROCTRACK[version])
+    if not proctrack:
+        missing.append(f"proctrack/linuxproc: the kernel's cgroup {version} has no freezer controller")
+    return {"plugin": f"cgroup/{version}", "constrain": constrain, "proctrack_cgroup": proctrack, "missing": missing}

@@ -1,0 +1,202 @@
+"""slurm: the GRES type from the PCI device id, the node lines from the facts (CPU layout, RealMemory
+with its margin), the GPUs joined from gpu_facts and pcie_facts with their device nodes and cores, the
+GPUs that inference workers and training jobs hold left out, slurmd -G compared with the facts, and
+what cgroup.conf may constrain."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm import (
+    cgroup_settings,
+    cpu_layout,
+    gres_conf_lines,
+    gres_problems,
+    gres_type,
+    mem_per_cpu,
+    node_conf_line,
+    real_memory,
+    slurm_node,
+    slurm_nodes,
+)
+
+TWO_SOCKETS = {
+    "hostname": "node1",
+    "processor_vcpus": 32,
+    "processor_count": 2,
+    "processor_cores": 8,
+    "processor_threads_per_core": 2,
+    "memtotal_mb": 128000,
+}
+
+
+def gpus(*devices: tuple[str, str, int | None]) -> dict:
+    """gpu_facts and pcie_facts of GPUs given as (bus id, device id, NUMA node)."""
+    return {
+        "budgetgpu_gpus": {
+            "gpus": [
+                {"index": i, "uuid": f"GPU-{i}", "bus_id": bus.upper(), "name": "NVIDIA something"}
+                for i, (bus, _d, _n) in enumerate(devices)
+            ]
+        },
+        "budgetgpu_pcie": {
+            "gpus": [{"bus_id": bus, "device_id": device, "numa_node": numa} for bus, device, numa in devices]
+        },
+        "budgetgpu_net": {"cluster_interface": {"address": "10.0.0.11"}},
+    }
+
+
+def hostvars(facts: dict, **more: dict) -> dict:
+    return {"node1": {"ansible_facts": facts, "group_names": ["gpu_nodes"]}, **more}
+
+
+MIXED = gpus(("0000:01:00.0", "0x2204", 0), ("0000:41:00.0", "0x2684", 1), ("0000:61:00.0", "0x2684", 1))
+
+
+@pytest.mark.parametrize(
+    ("device", "kind"),
+    [("0x2204", "rtx3090"), ("0x2684", "rtx4090"), ("0x2335", "h200"), ("0x2203", "rtx3090ti"), (0x2204, "rtx3090")],
+)
+def test_gres_type_is_a_stable_name_of_the_device_id(device, kind):
+    assert gres_type(device) == kind
+
+
+def test_gres_type_of_an_unknown_id_names_the_id_and_a_bad_id_is_refused():
+    assert gres_type("0x2B00") == "nvidia_2b00"
+    with pytest.raises(ValueError, match="found PCI device id None, expected a hex id"):
+        gres_type(None)
+
+
+def test_real_memory_keeps_a_margin_and_at_least_512_mib():
+    assert real_memory(128000, 5) == 121600
+    assert real_memory(4096, 5) == 3584  # 5% would be 205 MiB only
+    assert real_memory(128000, 0) == 127488
+    with pytest.raises(ValueError, match="slurm_memory_margin_pct: found 100"):
+        real_memory(128000, 100)
+    with pytest.raises(ValueError, match="found memtotal_mb None"):
+        real_memory(None)
+
+
+def test_cpu_layout_from_the_facts_and_cpus_alone_where_they_do_not_multiply_out():
+    assert cpu_layout(TWO_SOCKETS) == {"CPUs": 32, "Sockets": 2, "CoresPerSocket": 8, "ThreadsPerCore": 2}
+    assert cpu_layout({**TWO_SOCKETS, "processor_count": 1}) == {"CPUs": 32}
+    with pytest.raises(ValueError, match="found processor_vcpus None"):
+        cpu_layout({})
+
+
+def test_a_node_with_mixed_gpus_on_two_sockets():
+    node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1")
+    assert node["gres"] == "gpu:rtx3090:1,gpu:rtx4090:2"
+    assert node["address"] == "10.0.0.11"
+    assert node_conf_line(node) == (
+        "NodeName=node1 NodeAddr=10.0.0.11 CPUs=32 Sockets=2 CoresPerSocket=8 ThreadsPerCore=2 "
+        "RealMemory=121600 Gres=gpu:rtx3090:1,gpu:rtx4090:2 State=UNKNOWN"
+    )
+    assert gres_conf_lines(node) == [
+        "NodeName=node1 Name=gpu Type=rtx3090 File=/dev/nvidia0 Cores=0-7",
+        "NodeName=node1 Name=gpu Type=rtx4090 File=/dev/nvidia1 Cores=8-15",
+        "NodeName=node1 Name=gpu Type=rtx4090 File=/dev/nvidia2 Cores=8-15",
+    ]
+    assert mem_per_cpu(node) == 3800
+
+
+def test_cores_are_left_to_slurm_on_one_socket_or_an_unknown_numa_node_or_nps4():
+    one_socket = {**TWO_SOCKETS, "processor_count": 1, "processor_cores": 16}
+    assert [g["cores"] for g in slurm_node(hostvars({**one_socket, **MIXED}), "node1")["gpus"]] == [None] * 3
+    unknown = gpus(("0000:01:00.0", "0x2204", None), ("0000:02:00.0", "0x2204", 3))
+    assert [g["cores"] for g in slurm_node(hostvars({**TWO_SOCKETS, **unknown}), "node1")["gpus"]] == [None, None]
+
+
+def test_the_driver_minor_number_names_the_device_node_where_the_probe_has_it():
+    facts = gpus(("0000:01:00.0", "0x2204", 0))
+    facts["budgetgpu_gpus"]["gpus"][0]["minor_number"] = 3
+    assert slurm_node(hostvars({**TWO_SOCKETS, **facts}), "node1")["gpus"][0]["file"] == "/dev/nvidia3"
+
+
+def test_gpus_that_inference_workers_and_training_jobs_hold_are_left_out():
+    services = inference_services_normalize(
+        [{"name": "embed", "model": "/m", "task": "embeddings", "nodes": ["node1"], "gpus": [2], "port": 8100}]
+    )
+    node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1", services)
+    assert node["gres"] == "gpu:rtx3090:1,gpu:rtx4090:1"
+    assert node["left_out"] == [
+        {"index": 2, "bus_id": "0000:61:00.0", "why": "inference worker budgetgpu-infer-embed@0.service"}
+    ]
+    jobs = [{"name": "main", "nodes": "gpu_nodes", "nproc_per_node": 1, "state": "started"}]
+    node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1", [], jobs)
+    assert [g["index"] for g in node["left_out"]] == [0]
+    assert node["left_out"][0]["why"] == "training job main"
+
+
+def test_a_node_without_gpus_has_no_gres():
+    node = slurm_node(hostvars({**TWO_SOCKETS, **gpus()}), "node1")
+    assert node["gres"] == "" and "Gres=" not in node_conf_line(node) and gres_conf_lines(node) == []
+
+
+def test_every_bad_node_is_named_with_what_it_lacks():
+    broken = gpus(("0000:01:00.0", "0x2204", 0))
+    broken["budgetgpu_pcie"]["gpus"] = []
+    all_hostvars = {
+        **hostvars({**TWO_SOCKETS, **broken}),
+        "node2": {"ansible_facts": dict(TWO_SOCKETS)},
+        "node3": {"ansible_facts": {**MIXED}},
+    }
+    with pytest.raises(ValueError) as error:
+        slurm_nodes(["node1", "node2", "node3"], all_hostvars)
+    assert str(error.value) == (
+        "node1: GPU 0 (0000:01:00.0): found no PCI function in budgetgpu_pcie, expected one per GPU; "
+        "node2: found no budgetgpu_gpus/budgetgpu_pcie facts, expected the probe's (run role probe); "
+        "node3: found processor_vcpus None, expected the CPU count (gather facts)"
+    )
+
+
+SLURMD_G = """slurmd: Gres Name=gpu Type=rtx3090 Count=1 Index=0 ID=7696487 File=/dev/nvidia0 (null)
+slurmd: Gres Name=gpu Type=rtx4090 Count=1 Index=1 ID=7696487 File=/dev/nvidia1 (null)
+slurmd: Gres Name=gpu Type=rtx4090 Count=1 Index=2 ID=7696487 File=/dev/nvidia2 (null)
+"""
+
+
+def test_slurmd_finding_what_the_probe_found_is_no_problem():
+    node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1")
+    assert gres_problems(node, SLURMD_G) == []
+
+
+def test_a_missing_device_node_and_a_gpu_the_probe_did_not_see_are_named():
+    node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1")
+    missing = SLURMD_G.splitlines()[0] + "\nslurmd: fatal: can't stat gres.conf file /dev/nvidia1: No such file\n"
+    assert gres_problems(node, missing) == [
+        "node1: GPU 1 (0000:41:00.0): slurmd found nothing at /dev/nvidia1, expected type rtx4090 (the probe's)",
+        "node1: GPU 2 (0000:61:00.0): slurmd found nothing at /dev/nvidia2, expected type rtx4090 (the probe's)",
+        "node1: slurmd -G says: slurmd: fatal: can't stat gres.conf file /dev/nvidia1: No such file",
+    ]
+    extra = SLURMD_G + "slurmd: Gres Name=gpu Type=rtx3090 Count=1 Index=3 ID=7696487 File=/dev/nvidia3 (null)\n"
+    assert gres_problems(node, extra) == [
+        "node1: slurmd found a rtx3090 GPU at /dev/nvidia3 that the probe did not, expected none"
+    ]
+
+
+def test_cgroup_v1_with_every_controller_constrains_everything():
+    assert cgroup_settings("tmpfs", ["cpuset", "memory", "devices", "freezer", "cpu", "cpuacct"]) == {
+        "plugin": "cgroup/v1",
+        "constrain": {"ConstrainCores": True, "ConstrainRAMSpace": True, "ConstrainDevices": True},
+        "proctrack_cgroup": True,
+        "missing": [],
+    }
+
+
+def test_cgroup_v1_without_memory_or_freezer_says_what_is_not_constrained():
+    settings = cgroup_settings("tmpfs", ["cpuset", "devices"])
+    assert settings["constrain"] == {"ConstrainCores": True, "ConstrainRAMSpace": False, "ConstrainDevices": True}
+    assert settings["proctrack_cgroup"] is False
+    assert settings["missing"] == [
+        "ConstrainRAMSpace=no: the kernel's cgroup v1 has no memory controller",
+        "proctrack/linuxproc: the kernel's cgroup v1 has no freezer controller",
+    ]
+
+
+def test_cgroup_v2_needs_cpuset_and_memory_and_filters_devices_without_a_controller():
+    settings = cgroup_settings("cgroup2fs", ["cpu", "memory", "pids"])
+    assert settings["plugin"] == "cgroup/v2"
+    assert settings["constrain"] == {"ConstrainCores": False, "ConstrainRAMSpace": True, "ConstrainDevices": True}
+    assert settings["proctrack_cgroup"] is True
+    assert settings["missing"] == ["ConstrainCores=no: the kernel's cgroup v2 has no cpuset controller"]
