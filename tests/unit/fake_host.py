@@ -59,18 +59,24 @@ def run_playbook(
     )
 
 
+def local_inventory(tmp_path: Path, host_vars: dict[str, dict]) -> Path:
+    """An inventory file of fake local hosts, each with its own variables (inventory host vars, which
+    role defaults yield to; play vars, vars_files and role vars win over them)."""
+    inventory = tmp_path / "hosts.yml"
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    inventory.write_text(json.dumps({"all": {"hosts": {name: {**local, **v} for name, v in host_vars.items()}}}))
+    return inventory
+
+
 def run_batch(tmp_path: Path, playbook: str, host_vars: dict[str, dict], *, options: tuple[str, ...] = ()) -> dict:
     """One ansible-playbook run of PLAYBOOK on several fake local hosts, each with its own variables
     (inventory host vars): one run for many cases instead of one each (a run costs about 3 s of
     start-up). Returns the json callback's report: {"plays": [{"tasks": [{"task", "hosts"}]}], "stats"}."""
-    inventory = tmp_path / "hosts.yml"
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory.write_text(json.dumps({"all": {"hosts": {name: {**local, **v} for name, v in host_vars.items()}}}))
     result = run_playbook(
         tmp_path,
         playbook,
         {},
-        inventory=inventory,
+        inventory=local_inventory(tmp_path, host_vars),
         options=options,
         env={"ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json"},
     )
