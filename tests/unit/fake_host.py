@@ -27,6 +27,7 @@ def run_playbook(
     options: tuple[str, ...] = (),
     inventory: Path | None = None,
     env: dict[str, str] | None = None,
+    timeout: int = 120,
 ) -> subprocess.CompletedProcess[str]:
     """ansible-playbook PLAYBOOK on `host` (or on an inventory file's local hosts) with extra_vars;
     options such as --check, --tags X, --limit X; env adds to the environment (a stdout callback)."""
@@ -54,7 +55,7 @@ def run_playbook(
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
 
@@ -78,6 +79,8 @@ def run_batch(tmp_path: Path, playbook: str, host_vars: dict[str, dict], *, opti
         {},
         inventory=local_inventory(tmp_path, host_vars),
         options=options,
+        # Many cases in one run: more time than one case's 120 s on a loaded machine.
+        timeout=300,
         env={"ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json"},
     )
     try:

@@ -124,7 +124,8 @@ def run_preflights(tmp_path: Path, role: str, cases: dict[str, tuple[str, dict]]
     }
     play = ROLE_PLAY.format(role=role, report=report)
     inventory = local_inventory(tmp_path, host_vars)
-    result = run_playbook(tmp_path, play, {}, inventory=inventory, options=("--check", "--tags", f"{role}_preflight"))
+    options = ("--check", "--tags", f"{role}_preflight")
+    result = run_playbook(tmp_path, play, {}, inventory=inventory, options=options, timeout=300)
     assert result.returncode == 0, output_of(result)
     return {host: json.loads((tmp_path / f"{host}.json").read_text()) for host in cases}
 
@@ -224,7 +225,7 @@ def test_installed_branches_come_from_the_driver_packages_only(tmp_path):
         release: {"report_file": str(tmp_path / f"{release}.json"), "test_packages": dpkg_packages(release)}
         for release in INSTALLED_BRANCHES
     }
-    result = run_playbook(tmp_path, play, {}, inventory=local_inventory(tmp_path, host_vars))
+    result = run_playbook(tmp_path, play, {}, inventory=local_inventory(tmp_path, host_vars), timeout=300)
     assert result.returncode == 0, output_of(result)
     found = {release: json.loads((tmp_path / f"{release}.json").read_text()) for release in INSTALLED_BRANCHES}
     assert found == INSTALLED_BRANCHES
