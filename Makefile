@@ -37,16 +37,20 @@ $(BIN)/ansible-playbook: requirements.txt requirements-dev.txt tests/unit/requir
 # site.yml needs none of them; .collections links ansible.posix for its profile_tasks callback
 # and community.docker for the docker connection of the nightly scenario's runs of site.yml.
 COLLECTION_LINKS := ansible/posix community/docker
-.collections/.linked: $(BIN)/ansible-playbook
+.collections/.linked: $(BIN)/ansible-playbook Makefile
 	@site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_collections && \
 	for c in $(COLLECTION_LINKS); do mkdir -p .collections/ansible_collections/$${c%/*} && \
 	  ln -sfn $$site/$$c .collections/ansible_collections/$$c; done
+	@# mitogen's strategies, for the molecule base config's ANSIBLE_STRATEGY_PLUGINS.
+	@ln -sfn $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_mitogen/plugins/strategy .collections/mitogen_strategy
 	@touch $@
 
 venv: $(BIN)/ansible-playbook .collections/.linked ## Create .venv with Ansible, molecule and the lint tools
 
-prerequisites: venv
-	@scripts/check-docker
+# Installs and starts what the demo and molecule need (as root on Debian/Ubuntu: docker.io,
+# debootstrap, dockerd); not root, it says the one command to run. `make lint unit` need none of it.
+prerequisites: ## Set this machine up: Docker engine, debootstrap, dockerd started (scripts/setup-host)
+	@scripts/setup-host
 
 image: prerequisites ## Build (or reuse) the Debian 12 systemd node image
 	@scripts/build-node-image >/dev/null
@@ -57,7 +61,7 @@ image-trixie: prerequisites ## Build (or reuse) the Debian 13 node image of mole
 wheelhouse: venv ## Download torch (CPU) and friends once into .cache/wheelhouse
 	@scripts/fill-wheelhouse
 
-demo: image wheelhouse ## Bring up the simulated 2-node cluster and run the main job on it
+demo: image wheelhouse ## Set up the machine, bring up the simulated 2-node cluster, run the main job on it
 	scripts/demo-cluster up
 
 demo-down: ## Remove the demo cluster: containers, network, key, inventory
@@ -67,7 +71,7 @@ demo-status: ## Show the demo cluster
 	scripts/demo-cluster status
 
 # One stage after the other, each one's seconds printed ("::: make unit: 231 s"), as .ci/run prints its own.
-test: ## Lint, unit tests and every molecule scenario
+test: prerequisites ## Set up the machine, then lint, unit tests and every molecule scenario
 	@for stage in lint unit molecule; do \
 	  start=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$stage || exit 1; \

@@ -42,7 +42,7 @@ DEVELOPER_PATHS = (
     ".ansible-lint",
     ".gitignore",
     "scripts/build-node-image",
-    "scripts/check-docker",
+    "scripts/setup-host",
     "scripts/check-docs",
     "scripts/run-molecule",
     "scripts/demo-cluster",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible.module_utils import distro  # what setup reads os-release with
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import local_inventory, output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -83,8 +83,9 @@ def apt_pin_matches(pin: str, version: str) -> bool:
     return fnmatchcase(version, glob)
 
 
+FACT_NAMES = list(setup_facts(RELEASES[0]))
 ROLE_PLAY = """\
-- name: Run {role}'s preflight as on {release}
+- name: Run {role}'s preflight as on each host's release
   hosts: all
   gather_facts: false
   pre_tasks:
@@ -105,21 +106,33 @@ ROLE_PLAY = """\
         mode: "0644"
       check_mode: false
       tags: [always]
-"""
+""".replace("{facts}", "\n        ".join(f"{name}: \"{{{{{{{{ test_facts['{name}'] }}}}}}}}\"" for name in FACT_NAMES))
+
+
+def run_preflights(tmp_path: Path, role: str, cases: dict[str, tuple[str, dict]], report: str) -> dict[str, dict]:
+    """One ansible-playbook run of `role`'s preflight on one fake host per case ({host: (release,
+    variables)}): each host has its release's setup facts. Returns {host: what the role decided}."""
+    host_vars = {
+        host: {
+            "test_facts": setup_facts(release),
+            "report_file": str(tmp_path / f"{host}.json"),
+            "nvidia_driver_efivars_path": str(tmp_path / "no-efivars"),
+            "test_templates": str(REPO / "roles" / role / "templates"),
+            **variables,
+        }
+        for host, (release, variables) in cases.items()
+    }
+    play = ROLE_PLAY.format(role=role, report=report)
+    inventory = local_inventory(tmp_path, host_vars)
+    options = ("--check", "--tags", f"{role}_preflight")
+    result = run_playbook(tmp_path, play, {}, inventory=inventory, options=options, timeout=300)
+    assert result.returncode == 0, output_of(result)
+    return {host: json.loads((tmp_path / f"{host}.json").read_text()) for host in cases}
 
 
 def run_preflight(tmp_path: Path, role: str, release: str, report: str, extra_vars: dict | None = None) -> dict:
-    facts = "\n        ".join(f"{key}: {json.dumps(value)}" for key, value in setup_facts(release).items())
-    play = ROLE_PLAY.format(role=role, release=release, facts=facts, report=report)
-    variables = {
-        "report_file": str(tmp_path / "report.json"),
-        "nvidia_driver_efivars_path": str(tmp_path / "no-efivars"),
-        "test_templates": str(REPO / "roles" / role / "templates"),
-        **(extra_vars or {}),
-    }
-    result = run_playbook(tmp_path, play, variables, options=("--check", "--tags", f"{role}_preflight"))
-    assert result.returncode == 0, output_of(result)
-    return json.loads((tmp_path / "report.json").read_text())
+    """One case of run_preflights, on node7."""
+    return run_preflights(tmp_path, role, {"node7": (release, extra_vars or {})}, report)["node7"]
 
 
 NVIDIA_REPORT = (
@@ -141,23 +154,28 @@ HEADLESS_FIRST = {"debian-13": "nvidia-kernel-dkms", "ubuntu-22.04": "nvidia-hea
                   "ubuntu-24.04": "nvidia-headless-550"}  # fmt: skip
 
 
-@pytest.mark.parametrize("release", RELEASES)
-@pytest.mark.parametrize("headless", [False, True])
-def test_driver_packages_exist_in_the_release_and_the_pin_keeps_their_candidate(tmp_path, release, headless):
-    decided = run_preflight(tmp_path, "nvidia_driver", release, NVIDIA_REPORT, {"nvidia_driver_headless": headless})
-    if headless:
-        assert decided["packages"][0] == HEADLESS_FIRST[release]
-    else:
-        assert {key: decided[key] for key in EXPECTED[release]} == EXPECTED[release]
-    policy = apt_policy(release)
-    # The first package carries the driver version (run.yml reads it): the archive must have it,
-    # and the branch pin must let apt install its candidate.
-    first = decided["packages"][0]
-    assert first in policy, f"{release}: the role installs {first}, which the archive's policy does not list"
-    candidate = policy[first]["candidate"]
-    assert candidate, f"{release}: {first} has no candidate"
-    assert apt_pin_matches(decided["pin"], candidate), f"{release}: pin {decided['pin']!r} excludes {candidate}"
-    assert int(candidate.split(".")[0]) == decided["branch"]
+def test_driver_packages_exist_in_the_release_and_the_pin_keeps_their_candidate(tmp_path):
+    cases = {
+        f"{release}-{'headless' if headless else 'full'}": (release, {"nvidia_driver_headless": headless})
+        for release in RELEASES
+        for headless in (False, True)
+    }
+    decisions = run_preflights(tmp_path, "nvidia_driver", cases, NVIDIA_REPORT)
+    for host, (release, variables) in cases.items():
+        decided = decisions[host]
+        if variables["nvidia_driver_headless"]:
+            assert decided["packages"][0] == HEADLESS_FIRST[release], host
+        else:
+            assert {key: decided[key] for key in EXPECTED[release]} == EXPECTED[release], host
+        policy = apt_policy(release)
+        # The first package carries the driver version (run.yml reads it): the archive must have it,
+        # and the branch pin must let apt install its candidate.
+        first = decided["packages"][0]
+        assert first in policy, f"{host}: the role installs {first}, which the archive's policy does not list"
+        candidate = policy[first]["candidate"]
+        assert candidate, f"{host}: {first} has no candidate"
+        assert apt_pin_matches(decided["pin"], candidate), f"{host}: pin {decided['pin']!r} excludes {candidate}"
+        assert int(candidate.split(".")[0]) == decided["branch"], host
 
 
 def _role_task(role: str, tasks_file: str, name: str) -> dict:
@@ -187,13 +205,12 @@ TASK_PLAY = """\
 """
 
 
-@pytest.mark.parametrize(
-    ("release", "branches"),
-    # Debian 13's nvidia-kernel-support pulls nvidia-modprobe 570.133.07 beside driver 550; Ubuntu's
-    # nvidia-settings is 510.47.03 beside any driver. Neither is an installed driver branch.
-    [("debian-13", [550]), ("ubuntu-22.04", [550]), ("ubuntu-24.04", [550])],
-)
-def test_installed_branches_come_from_the_driver_packages_only(tmp_path, release, branches):
+# Debian 13's nvidia-kernel-support pulls nvidia-modprobe 570.133.07 beside driver 550; Ubuntu's
+# nvidia-settings is 510.47.03 beside any driver. Neither is an installed driver branch.
+INSTALLED_BRANCHES = {"debian-13": [550], "ubuntu-22.04": [550], "ubuntu-24.04": [550]}
+
+
+def test_installed_branches_come_from_the_driver_packages_only(tmp_path):
     # _nvidia_driver_installed_branches is a decision in vars/main.yml (loaded below): no task computes it.
     task = {"name": "Read the branches", "ansible.builtin.debug": {"var": "_nvidia_driver_installed_branches"}}
     play = TASK_PLAY.format(
@@ -203,10 +220,15 @@ def test_installed_branches_come_from_the_driver_packages_only(tmp_path, release
         play_vars="{}",
         report="_nvidia_driver_installed_branches",
     )
-    variables = {"report_file": str(tmp_path / "report.json"), "test_packages": dpkg_packages(release)}
-    result = run_playbook(tmp_path, play, variables)
+    # One host per release, in one run: test_packages is no variable of the role's.
+    host_vars = {
+        release: {"report_file": str(tmp_path / f"{release}.json"), "test_packages": dpkg_packages(release)}
+        for release in INSTALLED_BRANCHES
+    }
+    result = run_playbook(tmp_path, play, {}, inventory=local_inventory(tmp_path, host_vars), timeout=300)
     assert result.returncode == 0, output_of(result)
-    assert json.loads((tmp_path / "report.json").read_text()) == branches
+    found = {release: json.loads((tmp_path / f"{release}.json").read_text()) for release in INSTALLED_BRANCHES}
+    assert found == INSTALLED_BRANCHES
 
 
 KEYRING_TASK = "Find the keyring that the node's own Debian sources name"
@@ -261,23 +283,22 @@ def test_nonfree_sources_name_the_keyring_of_the_nodes_own_sources(tmp_path, cas
 CUDA_REPORT = "{'toolkit_package': _cuda_toolkit_package, 'toolkit_source': _cuda_toolkit_source}"
 
 
-@pytest.mark.parametrize(
-    ("release", "expected"),
-    [
-        ("debian-13", {"toolkit_package": "nvidia-cuda-toolkit", "toolkit_source": "distro"}),
-        ("ubuntu-22.04", {"toolkit_package": "cuda-toolkit-12-4", "toolkit_source": "nvidia_repo"}),
-        ("ubuntu-24.04", {"toolkit_package": "cuda-toolkit-12-4", "toolkit_source": "nvidia_repo"}),
-    ],
-)
-def test_cuda_toolkit_source_per_release(tmp_path, release, expected):
-    decided = run_preflight(tmp_path, "cuda", release, CUDA_REPORT, {"cuda_toolkit_install": True})
-    assert decided == expected
+CUDA_EXPECTED = {
+    "debian-13": {"toolkit_package": "nvidia-cuda-toolkit", "toolkit_source": "distro"},
+    "ubuntu-22.04": {"toolkit_package": "cuda-toolkit-12-4", "toolkit_source": "nvidia_repo"},
+    "ubuntu-24.04": {"toolkit_package": "cuda-toolkit-12-4", "toolkit_source": "nvidia_repo"},
+}
+
+
+def test_cuda_toolkit_source_per_release(tmp_path):
+    cases = {release: (release, {"cuda_toolkit_install": True}) for release in CUDA_EXPECTED}
+    assert run_preflights(tmp_path, "cuda", cases, CUDA_REPORT) == CUDA_EXPECTED
 
 
 def test_cuda_refuses_ubuntu_2404s_own_toolkit_for_cuda_12_4(tmp_path):
-    facts = "\n        ".join(f"{key}: {json.dumps(value)}" for key, value in setup_facts("ubuntu-24.04").items())
-    play = ROLE_PLAY.format(role="cuda", release="ubuntu-24.04", facts=facts, report="{}")
+    play = ROLE_PLAY.format(role="cuda", report="{}")
     variables = {
+        "test_facts": setup_facts("ubuntu-24.04"),
         "report_file": str(tmp_path / "report.json"),
         "cuda_toolkit_install": True,
         "cuda_toolkit_source": "distro",
@@ -290,12 +311,15 @@ def test_cuda_refuses_ubuntu_2404s_own_toolkit_for_cuda_12_4(tmp_path):
     assert "node7: cuda_version is 11.8 but Ubuntu 24.04's nvidia-cuda-toolkit is CUDA 12.0" in output, output
 
 
-@pytest.mark.parametrize("release", ["ubuntu-22.04", "ubuntu-24.04"])
-def test_docker_from_the_distribution_or_dockers_ubuntu_repository(tmp_path, release):
+def test_docker_from_the_distribution_or_dockers_ubuntu_repository(tmp_path):
     report = "{'engine': _container_runtime_engine_packages, 'docker_repo': _container_runtime_docker_repo}"
-    decided = run_preflight(tmp_path, "container_runtime", release, report, {"container_runtime_nvidia_toolkit": False})
-    assert decided == {"engine": ["docker.io"], "docker_repo": "https://download.docker.com/linux/ubuntu"}
-    assert apt_policy(release)["docker.io"]["candidate"]
+    releases = ["ubuntu-22.04", "ubuntu-24.04"]
+    cases = {release: (release, {"container_runtime_nvidia_toolkit": False}) for release in releases}
+    decided = run_preflights(tmp_path, "container_runtime", cases, report)
+    expected = {"engine": ["docker.io"], "docker_repo": "https://download.docker.com/linux/ubuntu"}
+    assert decided == dict.fromkeys(releases, expected)
+    for release in releases:
+        assert apt_policy(release)["docker.io"]["candidate"], release
 
 
 def test_python_env_refuses_a_wheelhouse_without_torch_for_the_nodes_python(tmp_path):
@@ -304,9 +328,12 @@ def test_python_env_refuses_a_wheelhouse_without_torch_for_the_nodes_python(tmp_
     wheelhouse = tmp_path / "wheels"
     wheelhouse.mkdir()
     (wheelhouse / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
-    facts = "\n        ".join(f"{key}: {json.dumps(value)}" for key, value in setup_facts("debian-13").items())
-    play = ROLE_PLAY.format(role="python_env", release="debian-13", facts=facts, report="{}")
-    variables = {"report_file": str(tmp_path / "report.json"), "python_env_wheelhouse": str(wheelhouse)}
+    play = ROLE_PLAY.format(role="python_env", report="{}")
+    variables = {
+        "test_facts": setup_facts("debian-13"),
+        "report_file": str(tmp_path / "report.json"),
+        "python_env_wheelhouse": str(wheelhouse),
+    }
     result = run_playbook(tmp_path, play, variables, options=("--check", "--tags", "python_env_preflight"))
     output = output_of(result)
     assert result.returncode != 0, output
