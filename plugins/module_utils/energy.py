@@ -33,6 +33,9 @@ DEFAULT_CURRENCY = "$"
 # at 350W each plus system overhead equals about 1.6KW", 1600 W - 4 x 350 W.
 DEFAULT_NODE_BASE_WATTS = 200.0
 POWERCAP_ROOT = "/sys/class/powercap"
+# The RAPL reader's state (role node_exporter's budgetgpu-rapl, root's StateDirectory): the CPU's joules
+# that a job's start record and the nightly reading take (cpu_reading).
+RAPL_STATE_FILE = "/var/lib/budgetgpu/rapl/energy.json"
 # RAPL's zones in sysfs: intel-rapl:<package> (name package-N, or psys, the whole platform, which
 # holds the packages: left out) and its subzones intel-rapl:<package>:<n> (core and uncore lie inside
 # the package's count: left out; dram does not: counted).

@@ -68,6 +68,25 @@ def test_the_start_record_holds_each_gpus_counter_as_the_probe_reads_it(fake_pyn
     assert sorted(p.name for p in records.iterdir()) == ["energy-start.json"]  # no temporary file left
 
 
+def test_the_start_record_holds_the_cpus_joules_from_rapl(fake_pynvml, monkeypatch, records, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(None))
+    recorder = load_recorder()
+    state = tmp_path / "rapl-energy.json"
+    monkeypatch.setattr(recorder.energy, "RAPL_STATE_FILE", str(state))
+    # No reader on the node: no CPU in the record (job_state=status then estimates the CPU).
+    assert recorder.main(["start", str(records)]) == 0
+    assert "cpu" not in json.loads((records / "energy-start.json").read_text())
+    state.write_text(json.dumps({"time": 1700000000.0, "joules": 5400.5, "zones": {"intel-rapl:0": {}}}))
+    assert recorder.main(["start", str(records)]) == 0
+    assert json.loads((records / "energy-start.json").read_text())["cpu"] == {"time": 1700000000.0, "joules": 5400.5}
+    # A state that is not the reader's (a link, or no zone) records no CPU rather than a made-up one.
+    state.unlink()
+    state.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"time": 1.0, "joules": 9.0, "zones": {"z": {}}}))
+    assert recorder.main(["start", str(records)]) == 0
+    assert "cpu" not in json.loads((records / "energy-start.json").read_text())
+
+
 def test_no_nvml_records_no_gpu_and_never_stops_the_job(fake_pynvml, monkeypatch, records):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(None))
     assert load_recorder().main(["start", str(records)]) == 0
