@@ -347,9 +347,9 @@ print(json.dumps({{"n": len(vectors.data), "dim": len(vectors.data[0].embedding)
 def test_a_keys_rate_is_answered_with_429_and_retry_after(gateway: str) -> None:
     url = f"http://{gateway}:{EMBED_GATEWAY}/v1/models"
     slow = {"Authorization": f"Bearer {SLOW_KEY}"}
-    answers = requests(OTHER, [{"url": url, "headers": slow} for _unused in range(12)], parallel=12)
+    answers = requests(OTHER, [{"url": url, "headers": slow} for _unused in range(30)], parallel=30)
     statuses = Counter(a["status"] for a in answers)
-    assert statuses[429] >= 6 and statuses[200] >= 1 and set(statuses) <= {200, 429}, statuses
+    assert statuses[429] >= 5 and statuses[200] >= 1 and set(statuses) <= {200, 429}, statuses
     limited = next(a for a in answers if a["status"] == 429)
     assert limited["retry_after"] == "1" and error_of(limited)["code"] == "rate_limit_exceeded", limited
     assert "the API key slow is past" in error_of(limited)["message"]
