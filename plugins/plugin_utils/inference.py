@@ -68,15 +68,27 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "port": 8100,
     "engine": "builtin",
     "command": "",
-    "gateway": {"host": None, "port": 8080, "allow": []},  # host: first node of the service
+    # host: the first node of the service; listen: its cluster address; keys: every key of
+    # inference_api_keys; rate_per_s: each key's requests per second (a key's own rate_per_s wins).
+    "gateway": {
+        "host": None,
+        "port": 8080,
+        "allow": [],
+        "listen": None,
+        "keys": None,
+        "rate_per_s": 100,
+        "conns_per_client": 128,
+    },
     "state": "started",
-    "user": "budgetgpu",
+    # A user of the workers' own, not the training user: a job cannot signal or trace them.
+    "user": "budgetgpu-infer",
     "venv": "/opt/budgetgpu/venv",
 }
 SERVICE_KEYS = frozenset(SERVICE_DEFAULTS) | {"name"}
-GATEWAY_KEYS = frozenset(SERVICE_DEFAULTS["gateway"])
+GATEWAY_KEYS = tuple(SERVICE_DEFAULTS["gateway"])
 # Keys normalise adds (not the inventory's).
 DERIVED_KEYS = frozenset({"unit_template", "model_dir", "config_file"})
+GATEWAY_INT_FIELDS = {"rate_per_s": 1, "conns_per_client": 1}
 INT_FIELDS = {  # field -> smallest value
     "max_new_tokens": 1,
     "max_input_tokens": 1,
@@ -154,7 +166,8 @@ def inference_service_normalize(
     for key in INT_FIELDS:
         merged[key] = _as_int(merged.get(key))
     if isinstance(merged.get("gateway"), Mapping):
-        merged["gateway"] = {**merged["gateway"], "port": _as_int(merged["gateway"].get("port"))}
+        gateway = merged["gateway"]
+        merged["gateway"] = {**gateway, **{k: _as_int(gateway.get(k)) for k in ("port", *GATEWAY_INT_FIELDS)}}
     name = str(merged.get("name") or "")
     merged["unit_template"] = unit_name(name)
     merged["model_dir"] = f"{(model_root or MODEL_ROOT).rstrip('/')}/{name}"
@@ -220,12 +233,22 @@ def _bad_gateway(gateway: Any) -> list[str]:
     if not isinstance(gateway, Mapping):
         return [f"gateway: found {gateway!r}, expected a mapping with host, port and allow"]
     bad = [
-        f"gateway.{key}: unknown key{_nearest(key, GATEWAY_KEYS)}; expected one of host, port, allow"
-        for key in sorted(set(gateway) - GATEWAY_KEYS, key=str)
+        f"gateway.{key}: unknown key{_nearest(key, GATEWAY_KEYS)}; expected one of {', '.join(GATEWAY_KEYS)}"
+        for key in sorted(set(gateway) - set(GATEWAY_KEYS), key=str)
     ]
     port = gateway.get("port")
     if not _is_int(port) or not 1 <= port <= 65535:
         bad.append(f"gateway.port: found {port!r}, expected a TCP port from 1 to 65535")
+    for key, low in GATEWAY_INT_FIELDS.items():
+        value = gateway.get(key)
+        if not _is_int(value) or value < low:
+            bad.append(f"gateway.{key}: found {value!r}, expected a whole number of {low} or more")
+    listen = gateway.get("listen")
+    if listen is not None and not _is_address(listen):
+        bad.append(f"gateway.listen: found {listen!r}, expected an IP address of the gateway's host")
+    keys = gateway.get("keys")
+    if keys is not None and not (isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys)):
+        bad.append(f"gateway.keys: found {keys!r}, expected a list of key names of inference_api_keys")
     host = gateway.get("host")
     if host is not None and not isinstance(host, str):
         bad.append(f"gateway.host: found {host!r}, expected an inventory host")
@@ -233,6 +256,14 @@ def _bad_gateway(gateway: Any) -> list[str]:
     if not isinstance(allow, list) or not all(_is_cidr(item) for item in allow):
         bad.append(f"gateway.allow: found {allow!r}, expected a list of CIDRs such as 192.168.1.0/24")
     return bad
+
+
+def _is_address(value: Any) -> bool:
+    try:
+        ipaddress.ip_address(str(value))
+    except ValueError:
+        return False
+    return True
 
 
 def _is_cidr(value: Any) -> bool:
@@ -507,6 +538,145 @@ def inference_upstreams(
     ]
 
 
+# --- the gateway ------------------------------------------------------------------------------------
+
+# An API key as NGINX compares it (a regular expression of the whole Authorization header, so that
+# case counts): characters that need no quoting, long enough not to be guessed.
+API_KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+API_KEY = re.compile(r"^[A-Za-z0-9._~+/=-]{24,256}$")
+# What a request may weigh, per endpoint: OpenAI's 2048 embedding inputs, at most EMBEDDING_TOKENS
+# tokens in all (OpenAI's 300,000), BYTES_PER_TOKEN bytes of JSON per token (text in ASCII JSON
+# takes 4 to 6 bytes per token), plus BODY_SLACK for the other fields and the chat structure.
+EMBEDDING_INPUTS = 2048
+EMBEDDING_TOKENS = 300_000
+BYTES_PER_TOKEN = 8
+BODY_SLACK = 64 * 1024
+ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions")
+
+
+def inference_gateway_allow(
+    service: Mapping[str, Any], allow: list[str] | None = None, cluster_subnet: str | None = None
+) -> list[str]:
+    """Return who may reach the service's gateway: its gateway.allow, else ``allow``
+    (inference_gateway_allow), else the cluster's subnet; [] when none is known (preflight refuses)."""
+    own = (service.get("gateway") or {}).get("allow")
+    if own:
+        return [str(item) for item in own]
+    if allow:
+        return [str(item) for item in allow]
+    return [str(cluster_subnet)] if cluster_subnet else []
+
+
+def _key_entries(api_keys: Any) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Return ({name: {key, rate_per_s}}, problems) of inference_api_keys. A problem never shows a key."""
+    if api_keys in (None, ""):
+        return {}, []
+    if not isinstance(api_keys, Mapping):
+        return {}, [f"inference_api_keys: found {type(api_keys).__name__}, expected a mapping of key name -> key"]
+    entries, problems = {}, []
+    for name, value in api_keys.items():
+        where = f"inference_api_keys.{name}"
+        if not isinstance(name, str) or not API_KEY_NAME.fullmatch(name):
+            problems.append(f"{where}: name: expected 1 to 64 of A-Z a-z 0-9 _ . -")
+            continue
+        entry = dict(value) if isinstance(value, Mapping) else {"key": value}
+        key, rate = entry.get("key"), _as_int(entry.get("rate_per_s"))
+        if set(entry) - {"key", "rate_per_s"}:
+            problems.append(
+                f"{where}: found keys {', '.join(sorted(map(str, set(entry) - {'key', 'rate_per_s'})))}, "
+                "expected key and rate_per_s only"
+            )
+        if not isinstance(key, str) or not API_KEY.fullmatch(key):
+            size = len(key) if isinstance(key, str) else type(key).__name__
+            problems.append(
+                f"{where}: found a key of {size} characters (not shown), expected 24 to 256 of "
+                "A-Z a-z 0-9 . _ ~ + / = - (e.g. openssl rand -hex 24)"
+            )
+        if rate is not None and (not _is_int(rate) or rate < 1):
+            problems.append(f"{where}: rate_per_s: found {rate!r}, expected a whole number of 1 or more")
+        entries[name] = {"key": key, "rate_per_s": rate}
+    return entries, problems
+
+
+def _service_keys(service: Mapping[str, Any], entries: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Return (the key names the service's gateway accepts, problems)."""
+    name, wanted = service.get("name"), (service.get("gateway") or {}).get("keys")
+    if wanted is None:
+        names = sorted(entries)
+    else:
+        names = [k for k in wanted if k in entries]
+        unknown = [k for k in wanted if k not in entries]
+        if unknown:
+            return names, [
+                f"all: service {name}: gateway.keys: found {', '.join(map(str, unknown))}, expected names of "
+                f"inference_api_keys ({', '.join(sorted(entries)) or 'none'})"
+            ]
+    if not names:
+        return [], [
+            f"all: service {name}: gateway: found no API key, expected at least one in inference_api_keys "
+            "(a mapping of name -> key; keep it in Ansible Vault): the gateway refuses every request without one"
+        ]
+    return names, []
+
+
+def gateway_problems(
+    services: list[Mapping[str, Any]],
+    api_keys: Any = None,
+    allow: list[str] | None = None,
+    cluster_subnet: str | None = None,
+) -> list[str]:
+    """Return what stops the services' gateways from being closed to strangers: an allow list that
+    resolves to empty (the firewall would then admit everyone), no API key, bad keys."""
+    entries, problems = _key_entries(api_keys)
+    for service in (s for s in services or [] if s.get("state") != "absent"):
+        if not inference_gateway_allow(service, allow, cluster_subnet):
+            problems.append(
+                f"all: service {service.get('name')}: gateway.allow: found an empty allow list (no gateway.allow, "
+                "no inference_gateway_allow, no budgetgpu_cluster_subnet), expected the CIDRs of the clients"
+            )
+        problems += _service_keys(service, entries)[1]
+    return problems
+
+
+def inference_gateway_keys(service: Mapping[str, Any], api_keys: Any) -> list[dict[str, Any]]:
+    """Return the keys the service's gateway accepts, for its NGINX key map: [{name, pattern, rate_per_s}]
+    (pattern: a case-sensitive regular expression of the whole Authorization header). Secret: render
+    it only in a no_log task. Raises ValueError (without the keys) on the problems preflight reports."""
+    entries, problems = _key_entries(api_keys)
+    names, more = _service_keys(service, entries)
+    if problems or more:
+        raise ValueError("; ".join(problems + more))
+    rate = (service.get("gateway") or {}).get("rate_per_s") or SERVICE_DEFAULTS["gateway"]["rate_per_s"]
+    return [
+        {
+            "name": name,
+            "pattern": "^Bearer " + re.escape(entries[name]["key"]) + "$",
+            "rate_per_s": entries[name]["rate_per_s"] or rate,
+        }
+        for name in names
+    ]
+
+
+def inference_body_limits(service: Mapping[str, Any]) -> dict[str, int]:
+    """Return the largest request body in bytes per endpoint ("other": every other path), the same in
+    NGINX (client_max_body_size) and in the worker (413 before parsing)."""
+    tokens = int(service.get("max_input_tokens") or SERVICE_DEFAULTS["max_input_tokens"])
+    generation = tokens * BYTES_PER_TOKEN + BODY_SLACK
+    embeddings = min(EMBEDDING_INPUTS * tokens, EMBEDDING_TOKENS) * BYTES_PER_TOKEN + BODY_SLACK
+    return {
+        "/v1/embeddings": embeddings,
+        "/v1/completions": generation,
+        "/v1/chat/completions": generation,
+        "other": BODY_SLACK,
+    }
+
+
+def inference_max_conns(service: Mapping[str, Any]) -> int:
+    """Return how many requests the gateway sends one worker at a time: what the worker runs and
+    queues. Past that, the gateway sheds (503 with Retry-After) instead of queueing in NGINX."""
+    return int(service.get("concurrency") or 1) + int(service.get("queue") or 0)
+
+
 # --- memory -----------------------------------------------------------------------------------------
 
 
@@ -752,6 +922,9 @@ def inference_check(
     jobs: list[Mapping[str, Any]] | None = None,
     model_configs: Mapping[str, Any] | None = None,
     unprobed_ok: bool = False,
+    api_keys: Any = None,
+    gateway_allow: list[str] | None = None,
+    cluster_subnet: str | None = None,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -763,6 +936,8 @@ def inference_check(
     model_configs is not checked for memory.
     unprobed_ok: a node without GPU facts is left out instead of refused (safe mode: the nightly
     run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
+    api_keys, gateway_allow, cluster_subnet: inference_api_keys, inference_gateway_allow and
+    budgetgpu_cluster_subnet, for gateway_problems (an empty allow list, no key, a bad key).
     """
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
@@ -781,6 +956,7 @@ def inference_check(
                 f"uses too, expected one service per GPU (give each service its own gpus list)"
             )
     problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
+    problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems
 
 

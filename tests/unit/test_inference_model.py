@@ -5,6 +5,7 @@ Each check is shown refusing a bad inventory and passing the mended one."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,13 @@ def chat(**keys) -> dict:
     return {"name": "chat", "model": "/srv/models/llama", "task": "generation", **keys}
 
 
+KEY = "0123456789abcdef0123456789abcdef"
+
+
 def check(items: list[dict], hv: dict | None = None, jobs: list | None = None, configs: dict | None = None) -> list:
-    return m.inference_check(items, hv or hostvars(), HOSTS, jobs or [], configs or {})
+    return m.inference_check(
+        items, hv or hostvars(), HOSTS, jobs or [], configs or {}, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
+    )
 
 
 def refused(*items, **kwargs) -> str:
@@ -138,8 +144,9 @@ def test_service_keys_win_over_service_defaults_over_the_shared_settings():
         ("bfloat16", 8200, "alice", "/srv/venv"),
     ]
     # The gateway merges key by key: the service's port, the defaults' host, the built-in allow.
-    assert got[1]["gateway"] == {"host": "node2", "port": 9090, "allow": []}
-    assert got[0]["gateway"] == {"host": "node2", "port": 8080, "allow": []}
+    rest = {"allow": [], "listen": None, "keys": None, "rate_per_s": 100, "conns_per_client": 128}
+    assert got[1]["gateway"] == {"host": "node2", "port": 9090, **rest}
+    assert got[0]["gateway"] == {"host": "node2", "port": 8080, **rest}
     assert got[0]["quantization"] == "none" and got[0]["gpus"] == "auto"
     assert got[0]["unit_template"] == "budgetgpu-infer-embed@.service"
     assert got[0]["model_dir"] == "/var/lib/budgetgpu/models/embed"
@@ -195,6 +202,9 @@ def test_a_mapping_of_services_is_told_to_become_a_list():
         (embed(gateway={"hots": "node1"}), "gateway.hots: unknown key (did you mean host?)"),
         (embed(gateway={"port": "http"}), "gateway.port: found 'http', expected a TCP port"),
         (embed(gateway={"allow": "10.0.0.0/8"}), "gateway.allow: found '10.0.0.0/8', expected a list of CIDRs"),
+        (embed(gateway={"listen": "node1"}), "gateway.listen: found 'node1', expected an IP address"),
+        (embed(gateway={"keys": "ci"}), "gateway.keys: found 'ci', expected a list of key names"),
+        (embed(gateway={"rate_per_s": 0}), "gateway.rate_per_s: found 0, expected a whole number of 1 or more"),
         (embed(user="root"), "user: found 'root', expected an unprivileged system user"),
         (embed(nodes=""), "nodes: found '', expected an inventory group or a list of hosts"),
         (embed(engine="vllm"), "engine: found 'vllm', expected one of builtin, command"),
@@ -365,7 +375,12 @@ def test_a_node_without_probe_facts_is_refused():
 def test_in_safe_mode_a_node_without_probe_facts_is_left_out():
     hv = hostvars()
     del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
-    assert m.inference_check(services(embed()), hv, HOSTS, [], {}, unprobed_ok=True) == []
+    assert (
+        m.inference_check(
+            services(embed()), hv, HOSTS, [], {}, unprobed_ok=True, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
+        )
+        == []
+    )
 
 
 def test_hosts_and_gateway_outside_the_inventory_are_refused():
@@ -638,7 +653,83 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_check",
         "inference_worker_command",
         "inference_memory_need",
+        "inference_gateway_allow",
+        "inference_gateway_keys",
+        "inference_body_limits",
+        "inference_max_conns",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
     with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
         filters["inference_services_normalize"]([embed(quantization="4-bit")])
+
+
+# --- the gateway (issue 28) --------------------------------------------------------------------------
+
+
+def test_the_workers_run_as_a_user_of_their_own_by_default():
+    assert services(embed())[0]["user"] == "budgetgpu-infer" != "budgetgpu"
+
+
+def test_the_allow_list_is_the_services_then_the_roles_then_the_cluster_subnet():
+    own, plain = services(embed(gateway={"allow": ["10.1.0.0/16"]}), chat(port=8200, gateway={"port": 8081}))
+    assert m.inference_gateway_allow(own, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.1.0.0/16"]
+    assert m.inference_gateway_allow(plain, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.2.0.0/16"]
+    assert m.inference_gateway_allow(plain, [], "10.0.0.0/24") == ["10.0.0.0/24"]
+    assert m.inference_gateway_allow(plain, [], "") == []
+
+
+def test_preflight_refuses_a_gateway_whose_allow_list_is_empty():
+    problems = m.inference_check(services(embed()), hostvars(), HOSTS, [], {}, api_keys={"ci": KEY})
+    assert problems == [
+        "all: service embed: gateway.allow: found an empty allow list (no gateway.allow, no inference_gateway_allow, "
+        "no budgetgpu_cluster_subnet), expected the CIDRs of the clients"
+    ]
+    assert m.inference_check(services(embed(state="absent")), hostvars(), HOSTS, [], {}) == []
+
+
+def test_preflight_refuses_a_gateway_without_a_key_and_bad_keys_without_showing_them():
+    items = services(embed(gpus=[0]), chat(gpus=[1], port=8200, gateway={"port": 8081, "keys": ["nobody"]}))
+    problems = m.inference_check(items, hostvars(), HOSTS, [], {}, cluster_subnet="10.0.0.0/24")
+    assert "all: service embed: gateway: found no API key, expected at least one in inference_api_keys" in problems[0]
+    assert "all: service chat: gateway.keys: found nobody, expected names of inference_api_keys (none)" in problems[1]
+    bad = {
+        "ok": KEY,
+        "short": "s3cret",
+        "quoted": 'has "quotes" and spaces in it!',
+        "slow": {"key": KEY, "rate_per_s": 0},
+    }
+    problems = m.inference_check(
+        services(embed()), hostvars(), HOSTS, [], {}, api_keys=bad, cluster_subnet="10.0.0.0/24"
+    )
+    assert problems == [
+        "inference_api_keys.short: found a key of 6 characters (not shown), expected 24 to 256 of "
+        "A-Z a-z 0-9 . _ ~ + / = - (e.g. openssl rand -hex 24)",
+        "inference_api_keys.quoted: found a key of 30 characters (not shown), expected 24 to 256 of "
+        "A-Z a-z 0-9 . _ ~ + / = - (e.g. openssl rand -hex 24)",
+        "inference_api_keys.slow: rate_per_s: found 0, expected a whole number of 1 or more",
+    ]
+    assert not any("s3cret" in p or "quotes" in p for p in problems)
+
+
+def test_gateway_keys_are_whole_header_patterns_with_their_rates():
+    keys = {"alice": KEY, "batch": {"key": "A.b+c/d=e~f-" * 2, "rate_per_s": 2}, "other": "x" * 24}
+    item = services(embed(gateway={"keys": ["batch", "alice"], "rate_per_s": 40}))[0]
+    got = m.inference_gateway_keys(item, keys)
+    assert got == [
+        {"name": "batch", "pattern": "^Bearer " + re.escape("A.b+c/d=e~f-" * 2) + "$", "rate_per_s": 2},
+        {"name": "alice", "pattern": f"^Bearer {KEY}$", "rate_per_s": 40},
+    ]
+    assert re.fullmatch(got[0]["pattern"], "Bearer " + "A.b+c/d=e~f-" * 2)
+    assert not re.fullmatch(got[0]["pattern"], "Bearer " + "a.b+c/d=e~f-" * 2)  # case counts
+    with pytest.raises(ValueError, match="inference_api_keys.x: found a key of 3 characters") as error:
+        m.inference_gateway_keys(item, {"x": "abc"})
+    assert "abc" not in str(error.value).replace("inference_api_keys", "")
+
+
+def test_body_limits_follow_max_input_tokens_and_max_conns_is_concurrency_plus_queue():
+    item = services(embed(max_input_tokens=512, concurrency=2, queue=16))[0]
+    limits = m.inference_body_limits(item)
+    assert limits["/v1/completions"] == limits["/v1/chat/completions"] == 512 * 8 + 65536
+    assert limits["/v1/embeddings"] == min(2048 * 512, 300_000) * 8 + 65536
+    assert limits["other"] == 65536
+    assert m.inference_max_conns(item) == 18

@@ -441,3 +441,151 @@ def _healthy(port: int) -> bool:
         return _get(f"http://127.0.0.1:{port}/health")[0] == 200
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------- inputs bounded before they cost anything
+# (issue 28: each case found on the demo cluster refused at once, as an OpenAI error naming the limit)
+
+
+def _error(r, status: int, code: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["code"] == code and error["type"], error
+    return error
+
+
+def test_more_than_2048_embedding_inputs_are_refused_naming_openais_limit(w, embedder):
+    with client_for(w, embedder) as client:
+        r = client.post("/v1/embeddings", json={"input": ["a"] * 2049})
+        ok = client.post("/v1/embeddings", json={"input": ["a"] * 40})
+    error = _error(r, 400, "too_many_inputs")
+    assert "2049 items; at most 2048" in error["message"] and error["param"] == "input"
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 40
+
+
+def test_a_lone_surrogate_is_an_openai_400_not_a_plain_500(w, embedder, lm):
+    raw = '{"input": ["fine", "bad \\ud800 text"]}'
+    with client_for(w, embedder) as client:
+        r = client.post("/v1/embeddings", content=raw, headers={"Content-Type": "application/json"})
+    error = _error(r, 400, "invalid_text")
+    assert "input[1] holds a lone surrogate (U+D800" in error["message"]
+    chat = '{"messages": [{"role": "user", "content": "hi \\udfff"}]}'
+    with client_for(w, lm) as client:
+        r = client.post("/v1/chat/completions", content=chat, headers={"Content-Type": "application/json"})
+    assert "messages[0].content holds a lone surrogate" in _error(r, 400, "invalid_text")["message"]
+
+
+@pytest.mark.parametrize(
+    ("message", "named"),
+    [
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "text"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "type"),
+        ({"role": "user", "content": [{"text": "no type"}]}, "type"),
+        ({"role": "wizard", "content": "hi"}, "'system', 'developer', 'user' or 'assistant'"),
+    ],
+)
+def test_bad_chat_content_parts_and_roles_are_openai_400s(w, lm, message, named):
+    with client_for(w, lm) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [message]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
+def test_text_parts_and_the_developer_role_are_served(w, lm):
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": " there"}]},
+    ]
+    with client_for(w, lm) as client:
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "text"),
+    [
+        ([f"s{i}" for i in range(1000)], "too_many_stop", "stop has 1000 strings; at most 4"),
+        (["x" * 65], "stop_too_long", "stop[0] has 65 characters; expected 1 to 64"),
+        ([""], "stop_too_long", "stop[0] has 0 characters"),
+    ],
+)
+def test_stop_strings_are_bounded_in_number_and_length_before_generation(w, lm, stop, code, text):
+    calls = []
+    with client_for(w, lm) as client:
+        engine = client.app.state.engine
+        real = engine.generate
+        engine.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
+        started = time.monotonic()
+        r = client.post("/v1/completions", json={"prompt": "The cat", "stop": stop})
+    assert text in _error(r, 400, code)["message"]
+    assert calls == [] and time.monotonic() - started < 2
+
+
+def test_a_body_over_the_endpoints_limit_is_413_before_it_is_parsed(w, embedder):
+    limits = {"/v1/embeddings": 2000, "other": 100}
+    with client_for(w, embedder, max_body_bytes=limits) as client:
+        big = client.post("/v1/embeddings", json={"input": "word " * 500})
+        fits = client.post("/v1/embeddings", json={"input": "word " * 20})
+        other = client.post("/v1/completions", json={"prompt": "word " * 30})
+    error = _error(big, 413, "body_too_large")
+    assert "larger than 2000 bytes, the most /v1/embeddings takes (max_body_bytes)" in error["message"]
+    assert big.headers["x-budgetgpu-worker"] == WORKER_ID
+    assert fits.status_code == 200
+    assert "larger than 100 bytes" in _error(other, 413, "body_too_large")["message"]
+
+
+def test_a_bad_max_body_bytes_in_the_config_is_named(w, tiny_lm_dir):
+    with pytest.raises(w.ConfigError, match="max_body_bytes is"):
+        _config(w, tiny_lm_dir, "generation", max_body_bytes={"other": -1})
+
+
+def test_tokenising_waits_for_admission_and_runs_off_the_event_loop(w, lm):
+    # A slow tokenizer (a huge prompt) holds one slot of the thread pool: /health still answers at
+    # once, and a request the full worker refuses is refused before anything is tokenised.
+    client = client_for(w, lm, concurrency=1, queue=0)
+    engine = client.app.state.engine
+    real, started, release, calls = engine.encode, threading.Event(), threading.Event(), []
+
+    def slow_encode(text):
+        calls.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        return real(text)
+
+    engine.encode = slow_encode
+    with client:
+        first = {}
+        thread = threading.Thread(
+            target=lambda: first.setdefault("r", client.post("/v1/completions", json={"prompt": "a"}))
+        )
+        thread.start()
+        assert started.wait(10)
+        t0 = time.monotonic()
+        health = client.get("/health")
+        refused = client.post("/v1/completions", json={"prompt": "b"})
+        elapsed = time.monotonic() - t0
+        release.set()
+        thread.join(10)
+    assert health.status_code == 200 and elapsed < 1.0
+    assert _error(refused, 503, "queue_full")
+    assert calls == ["model_0"]  # once, in the model's pool: the refused request was never tokenised
+    assert first["r"].status_code == 200
+
+
+def test_a_streamed_prompt_too_long_is_a_400_not_a_broken_stream(w, lm):
+    with client_for(w, lm, max_input_tokens=3) as client:
+        r = client.post("/v1/completions", json={"prompt": "The cat sat on the mat", "stream": True})
+        ok = client.post("/v1/completions", json={"prompt": "The", "stream": True, "max_tokens": 2})
+    assert "at most 3 (max_input_tokens)" in _error(r, 400, "context_length_exceeded")["message"]
+    assert ok.status_code == 200 and "data: [DONE]" in ok.text
+    assert client.app.state.admission.running == 0
+
+
+def test_an_unexpected_failure_is_an_openai_500(w, embedder):
+    with client_for(w, embedder) as client:
+        engine = client.app.state.engine
+        engine.embed = lambda texts, cancel: (_ for _ in ()).throw(RuntimeError("boom"))
+        r = TestClient(client.app, raise_server_exceptions=False).post("/v1/embeddings", json={"input": "x"})
+    error = _error(r, 500, "internal_error")
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]

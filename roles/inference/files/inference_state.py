@@ -1,12 +1,15 @@
 """Print, as one JSON line, what the inference role needs to know about a node, in one call.
 
-Usage: python3 -I inference_state.py JSON
+Usage: python3 -I inference_state.py JSON TRUST_CHECK
 
 JSON: {"venv": PATH, "wheelhouse": DIR, "requirements": [REQ...], "stamps": {NAME: FILE},
-"marks": {UNIT: FILE}}. Run by root with the system python (-I), never with the venv's own
-interpreter (a .pth file in the venv would run). Prints:
+"marks": {UNIT: FILE}}. TRUST_CHECK: the source of python_env's venv_state.py, the one check of
+whether root may touch a venv (the job venv passes the same). Run by root with the system python
+(-I), never with the venv's own interpreter (a .pth file in the venv would run). Prints:
+- trust: {exists, unsafe_above, unsafe_inside} of the venv (venv_state.py); root runs pip in it
+  only when both reasons are null;
 - missing: the requirements (exact name==version pins or bare names) that the venv's dist-info
-  metadata does not show installed;
+  metadata does not show installed; read only from a venv root may trust (else every one);
 - wheelhouse: whether DIR holds wheels (pip then installs from there only);
 - stamps: each model's stamp file content (the digest of the copied model), or null;
 - marks: the units whose restart-pending mark exists.
@@ -51,12 +54,24 @@ def read(path: str) -> str | None:
         return None
 
 
+def trust(venv: str, check_source: str) -> dict:
+    """What python_env's trust check says of the venv: exists, unsafe_above, unsafe_inside."""
+    namespace: dict = {"__name__": "venv_state"}
+    exec(compile(check_source, "venv_state.py", "exec"), namespace)  # noqa: S102 (the collection's own file)
+    found = namespace["venv_state"](venv, [])
+    return {key: found[key] for key in ("exists", "unsafe_above", "unsafe_inside")}
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
+    venv_trust = trust(args["venv"], sys.argv[2])
+    trusted = venv_trust["unsafe_above"] is None and venv_trust["unsafe_inside"] is None
+    requirements = args.get("requirements", [])
     print(
         json.dumps(
             {
-                "missing": missing(args["venv"], args.get("requirements", [])),
+                "trust": venv_trust,
+                "missing": missing(args["venv"], requirements) if trusted else list(requirements),
                 "wheelhouse": bool(glob.glob(os.path.join(args.get("wheelhouse", "/nonexistent"), "*.whl"))),
                 "stamps": {name: read(path) for name, path in args.get("stamps", {}).items()},
                 "marks": sorted(unit for unit, path in args.get("marks", {}).items() if os.path.exists(path)),

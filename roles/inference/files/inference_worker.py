@@ -8,6 +8,12 @@ max_new_tokens, max_input_tokens, concurrency, queue and timeout_s. The model lo
 the local directory only, onto cuda:0 (the unit pins the GPU with CUDA_VISIBLE_DEVICES) or the
 CPU on a simulated node. At most `concurrency` requests run and `queue` wait; beyond that a
 request gets 503 with Retry-After at once. A request past timeout_s gets 504 and its work stops.
+
+Inputs are bounded before they cost anything: the body per endpoint (max_body_bytes, 413 before
+parsing), the number of embedding inputs (OpenAI's 2048), the number and length of stop strings,
+chat roles and content parts, text that is not Unicode (a lone surrogate); the tokenizer runs only
+after admission, in the model's thread pool, never on the event loop that answers /health. Every
+refusal is an OpenAI error object naming the limit.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ TASKS = ("embeddings", "generation")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 EMBED_BATCH = 32
+# OpenAI's limits: embedding inputs per request, stop strings per request; and how long a stop
+# string may be (stop strings are matched at every generated token).
+MAX_EMBEDDING_INPUTS = 2048
+MAX_STOP = 4
+MAX_STOP_CHARS = 64
+# Chat roles the templates know ("developer" is OpenAI's newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# The body limit where the config gives none (the role always writes max_body_bytes).
+DEFAULT_BODY_BYTES = 8 * 2**20
 ENDPOINTS = (
     "/v1/models",
     "/v1/embeddings",
@@ -68,13 +83,15 @@ class WorkCancelled(Exception):
 class ApiError(Exception):
     """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None, headers=None) -> None:
+    def __init__(
+        self, status: int, message: str, kind: str, code: str | None = None, headers=None, param: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
         self.headers = headers or {}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.code}}
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
@@ -93,6 +110,12 @@ class WorkerConfig:
     concurrency: int = 1
     queue: int = 8
     timeout_s: float = 120.0
+    # Largest request body in bytes per path ("other": every other path); the role writes the
+    # figures of plugins/plugin_utils/inference.py inference_body_limits, which NGINX enforces too.
+    max_body_bytes: dict[str, int] = field(default_factory=dict)
+
+    def body_limit(self, path: str) -> int:
+        return int(self.max_body_bytes.get(path) or self.max_body_bytes.get("other") or DEFAULT_BODY_BYTES)
 
 
 _MINIMUMS = {"max_new_tokens": 1, "max_input_tokens": 1, "concurrency": 1, "queue": 0}
@@ -127,6 +150,11 @@ def parse_config(raw: Any, source: str = "config") -> WorkerConfig:
     timeout = raw.get("timeout_s", 120)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ConfigError(f"{source}: timeout_s is {timeout!r}, expected a number of seconds > 0")
+    limits = raw.get("max_body_bytes", {})
+    if not isinstance(limits, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in limits.values()
+    ):
+        raise ConfigError(f"{source}: max_body_bytes is {limits!r}, expected a mapping path -> bytes > 0")
     model_dir = Path(raw["model_dir"])
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{source}: model_dir {model_dir} has no config.json: copy the model directory there")
@@ -213,6 +241,9 @@ class Engine:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text)["input_ids"])
+
+    def count_tokens_each(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenizer(texts)["input_ids"]]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=self.config.task == "embeddings")["input_ids"])
@@ -489,14 +520,24 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
 
 
+class TextPart(BaseModel):
+    """A part of a chat message's content: text only (these models read no images or audio)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatRequest(GenerationRequest):
@@ -541,6 +582,66 @@ class WorkerState:
                 "wrong_task",
             )
         return self.engine
+
+
+def _refuse(message: str, code: str, param: str | None = None, status: int = 400) -> ApiError:
+    return ApiError(status, message, "invalid_request_error", code, param=param)
+
+
+def _check_text(text: str, param: str) -> None:
+    """A lone surrogate (JSON "\\ud800") is no text: the tokenizer cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _refuse(
+            f"{param} holds a lone surrogate (U+{ord(text[exc.start]):04X} at {exc.start}), which is not Unicode text: "
+            "send UTF-8",
+            "invalid_text",
+            param,
+        ) from None
+
+
+def check_embedding_request(req: EmbeddingRequest) -> list[str]:
+    """The inputs of an embeddings request, or a refusal naming the limit; no tokenizer yet."""
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    if not texts:
+        raise _refuse("input is empty", "empty_input", "input")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise _refuse(
+            f"input has {len(texts)} items; at most {MAX_EMBEDDING_INPUTS} per request (OpenAI's limit)",
+            "too_many_inputs",
+            "input",
+        )
+    for i, text in enumerate(texts):
+        _check_text(text, f"input[{i}]")
+    return texts
+
+
+def check_stop(stop: str | list[str] | None) -> list[str]:
+    """The request's stop strings, or a refusal: at most MAX_STOP, each 1 to MAX_STOP_CHARS long."""
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP:
+        raise _refuse(f"stop has {len(strings)} strings; at most {MAX_STOP} (OpenAI's limit)", "too_many_stop", "stop")
+    for i, text in enumerate(strings):
+        if not 1 <= len(text) <= MAX_STOP_CHARS:
+            raise _refuse(
+                f"stop[{i}] has {len(text)} characters; expected 1 to {MAX_STOP_CHARS}", "stop_too_long", "stop"
+            )
+        _check_text(text, f"stop[{i}]")
+    return strings
+
+
+def check_generation_request(req: GenerationRequest, chat: bool) -> list[str]:
+    """The request's stop strings once its prompt or messages and stop strings pass; no tokenizer yet."""
+    if chat:
+        for i, message in enumerate(req.messages):
+            _check_text(message.text(), f"messages[{i}].content")
+    else:
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if len(prompts) != 1:
+            raise _refuse("send one prompt per request", "one_prompt", "prompt")
+        _check_text(prompts[0], "prompt")
+    return check_stop(req.stop)
 
 
 def _too_long(engine: Engine, count: int, what: str) -> None:
@@ -691,27 +792,60 @@ def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> No
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
-async def _generate(state: WorkerState, engine: Engine, ids: list[int], params: GenerationParams, reply: Reply):
+async def _generate(
+    state: WorkerState,
+    engine: Engine,
+    prepare: Callable[[], list[int]],
+    req: GenerationRequest,
+    stop: list[str],
+    reply: Reply,
+):
+    """Tokenise (prepare) and generate in one admitted slot of the thread pool. A stream's answer
+    begins only once the prompt is tokenised and checked, so that a prompt too long is a 400."""
+
+    def params(ids: list[int]) -> GenerationParams:
+        return _params(state, engine, req, len(ids), stop)
+
     if not reply.stream:
-        future, cancel = await _run(state, lambda c: engine.generate(ids, params, c))
+
+        def whole(cancel: Cancel) -> GenerationResult:
+            ids = prepare()
+            return engine.generate(ids, params(ids), cancel)
+
+        future, cancel = await _run(state, whole)
         result = await _finish(state, future, cancel)
         state.metrics.observe_generation(result)
         return JSONResponse(reply.whole(result))
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    ready: asyncio.Future = loop.create_future()
     streamer = _streamer(engine, loop, queue)
 
     def work(cancel: Cancel) -> GenerationResult:
         try:
-            return engine.generate(ids, params, cancel, streamer)
+            ids = prepare()
+            _put_result(loop, ready, ids)
+            return engine.generate(ids, params(ids), cancel, streamer)
         finally:
             _put(loop, queue, _END)
 
     future, cancel = await _run(state, work)
+    await asyncio.wait((ready, future), timeout=cancel.remaining(), return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        if not future.done():
+            cancel.set()
+            state.metrics.timeouts += 1
+            raise _timeout_error(state, "waiting for the tokenizer")
+        future.result()  # the tokenizer's refusal (ApiError) or failure
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(
         _events(state, reply, future, cancel, queue), media_type="text/event-stream", headers=headers
     )
+
+
+def _put_result(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
 
 
 async def _events(state: WorkerState, reply: Reply, future: asyncio.Future, cancel: Cancel, queue: asyncio.Queue):
@@ -757,39 +891,41 @@ async def _stream_tail(state: WorkerState, reply: Reply, future: asyncio.Future)
     yield _sse("[DONE]")
 
 
-def _params(state: WorkerState, engine: Engine, req: GenerationRequest, prompt_tokens: int):
+def _params(state: WorkerState, engine: Engine, req: GenerationRequest, prompt_tokens: int, stop: list[str]):
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens or state.config.max_new_tokens
     room = (engine.positions or prompt_tokens + asked) - prompt_tokens
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
     return GenerationParams(min(asked, state.config.max_new_tokens, room), temperature, top_p, stop)
 
 
-async def _serve_generation(state: WorkerState, req: GenerationRequest, chat: bool):
-    engine = state.require_engine("generation", req.model)
+def _prompt_ids(state: WorkerState, engine: Engine, req: GenerationRequest, chat: bool) -> list[int]:
+    """Tokenise the prompt (in the model's thread pool, after admission) and check its length."""
     if chat:
-        if not engine.has_chat_template():
-            raise ApiError(
-                400,
-                f"model {state.config.name} has no chat template: use /v1/completions",
-                "invalid_request_error",
-                "no_chat_template",
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
         prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise ApiError(400, "send one prompt per request", "invalid_request_error", "one_prompt")
-        prompt = prompts[0]
+        prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     ids = engine.encode(prompt)
     if not ids:
-        raise ApiError(400, "the prompt is empty", "invalid_request_error", "empty_prompt")
+        raise _refuse("the prompt is empty", "empty_prompt", "messages" if chat else "prompt")
     _too_long(engine, len(ids), "the prompt")
+    return ids
+
+
+async def _serve_generation(state: WorkerState, req: GenerationRequest, chat: bool):
+    engine = state.require_engine("generation", req.model)
+    if chat and not engine.has_chat_template():
+        raise ApiError(
+            400,
+            f"model {state.config.name} has no chat template: use /v1/completions",
+            "invalid_request_error",
+            "no_chat_template",
+        )
+    stop = check_generation_request(req, chat)
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     reply = Reply(chat=chat, model=state.config.name, stream=req.stream, include_usage=include_usage)
-    return await _generate(state, engine, ids, _params(state, engine, req, len(ids)), reply)
+    return await _generate(state, engine, lambda: _prompt_ids(state, engine, req, chat), req, stop, reply)
 
 
 # ---------------------------------------------------------------- the app
@@ -815,12 +951,15 @@ def _routes(api: FastAPI, state: WorkerState) -> None:
     @api.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
         engine = state.require_engine("embeddings", req.model)
-        texts = [req.input] if isinstance(req.input, str) else req.input
-        if not texts:
-            raise ApiError(400, "input is empty", "invalid_request_error", "empty_input")
-        for i, text in enumerate(texts):
-            _too_long(engine, engine.count_tokens(text), f"input {i}")
-        future, cancel = await _run(state, lambda c: engine.embed(texts, c))
+        texts = check_embedding_request(req)
+
+        def work(cancel: Cancel) -> tuple[list[list[float]], int]:
+            # After admission, in the thread pool: one batched tokenizer call for the lengths.
+            for i, count in enumerate(engine.count_tokens_each(texts)):
+                _too_long(engine, count, f"input {i}")
+            return engine.embed(texts, cancel)
+
+        future, cancel = await _run(state, work)
         vectors, tokens = await _finish(state, future, cancel)
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
@@ -851,6 +990,11 @@ def _error_handlers(api: FastAPI) -> None:
     async def not_found(request: Request, exc: Exception):
         return ApiError(404, f"no route {request.url.path}", "invalid_request_error", "not_found").response()
 
+    @api.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        LOG.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return ApiError(500, f"the worker failed: {type(exc).__name__}", "server_error", "internal_error").response()
+
 
 class WorkerApp:
     """The ASGI app: FastAPI inside a layer that stamps X-Budgetgpu-Worker and counts every answer."""
@@ -873,10 +1017,61 @@ class WorkerApp:
             await send(message)
 
         try:
-            await self.api(scope, receive, send_stamped)
+            body = await self._bounded_body(scope, receive)
+            if body is None:
+                await self._too_large(scope, send_stamped)
+                return
+            await self.api(scope, _replay(body, receive), send_stamped)
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.state.metrics.observe_request(endpoint, status[0], time.perf_counter() - start)
+
+    async def _bounded_body(self, scope, receive) -> bytes | None:
+        """The whole request body, or None past the path's limit (read no further than that)."""
+        limit = self.state.config.body_limit(scope["path"])
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        return b"".join(chunks)
+
+    async def _too_large(self, scope, send) -> None:
+        limit = self.state.config.body_limit(scope["path"])
+        error = _refuse(
+            f"the request body is larger than {limit} bytes, the most {scope['path']} takes (max_body_bytes)",
+            "body_too_large",
+            status=413,
+        )
+        await error.response()(scope, _no_body, send)
+
+
+async def _no_body() -> dict:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _replay(body: bytes, receive):
+    """A receive that hands the app the body read already, then waits for the client as before."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def _load_in_background(state: WorkerState) -> None:
@@ -937,23 +1132,36 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     import uvicorn
 
-    app = build_app(config, args.worker_id or f"{args.host}:{args.port}")
+    worker_id = args.worker_id or f"{args.host}:{args.port}"
+    # The model loads before the port opens: the gateway then finds a loading worker refused (and
+    # retries the request on another) instead of getting an answer it would hand the client.
+    LOG.info("%s: worker %s loading %s", config.name, worker_id, config.model_dir)
+    try:
+        engine = load_engine(config)
+    except Exception as exc:  # any load failure ends the worker with one line
+        print(
+            f"inference_worker {worker_id}: cannot load {config.model_dir}: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    app = build_app(config, worker_id, engine)
+    # Keep-alive longer than NGINX's upstream keepalive_timeout (60 s): the gateway closes idle
+    # connections first, so it never sends a request on one the worker is closing.
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, access_log=False, log_config=None, timeout_graceful_shutdown=5
+            app,
+            host=args.host,
+            port=args.port,
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=75,
         )
     )
-    app.state.on_load_failure = lambda: setattr(server, "should_exit", True)
-    LOG.info(
-        "%s: worker %s listening on %s:%s, loading %s",
-        config.name,
-        app.state.worker_id,
-        args.host,
-        args.port,
-        config.model_dir,
-    )
+    LOG.info("%s: worker %s listening on %s:%s", config.name, worker_id, args.host, args.port)
     server.run()
-    return 1 if app.state.load_error or not server.started else 0
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ PLAN = [
 ]
 
 
-def render(allow: dict, scrapers: list[str]) -> str:
+def render(allow: dict, scrapers: list[str], gateways: list | None = None) -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["comment"] = lambda text: "# " + text
     env.tests["search"] = lambda value, pattern: re.search(pattern, str(value)) is not None
     return env.from_string(TEMPLATE.read_text()).render(
         ansible_managed="Ansible managed",
         _inference_plan=PLAN,
-        _inference_gateways=[],
+        _inference_gateways=gateways or [],
         _inference_scrapers_allow=allow,
         inference_scrapers=scrapers,
         inference_scrapers_extra=[],
@@ -53,3 +53,17 @@ def test_the_workers_admit_the_gateway_and_the_prometheus_hosts_then_refuse():
 def test_without_a_prometheus_host_only_the_gateway_reaches_the_workers():
     text = render({"ipv4": [], "ipv6": [], "unknown": []}, [])
     assert [rule.split(" saddr ")[0] for rule in rules(text) if "accept" in rule] == ["tcp dport 8100-8101 ip"]
+
+
+def test_a_gateway_admits_its_allow_list_and_an_empty_list_admits_no_one():
+    gateway = {"name": "chat", "state": "started", "gateway_port": 8080, "allow": ["10.0.0.0/24", "fd00::/64"]}
+    empty = {"name": "embed", "state": "started", "gateway_port": 8081, "allow": []}
+    text = render({"ipv4": [], "ipv6": [], "unknown": []}, [], [gateway, empty])
+    gateway_rules = [rule for rule in rules(text) if rule.startswith(("tcp dport 8080", "tcp dport 8081"))]
+    assert gateway_rules == [
+        "tcp dport 8080 ip saddr { 10.0.0.0/24 } accept",
+        "tcp dport 8080 ip6 saddr { fd00::/64 } accept",
+        'tcp dport 8080 counter reject with tcp reset comment "budgetgpu: chat gateway"',
+        # Preflight refuses an empty list; were it to get here, nobody is admitted, not everybody.
+        'tcp dport 8081 counter reject with tcp reset comment "budgetgpu: embed gateway"',
+    ]

@@ -59,17 +59,45 @@ def test_a_sound_placement_passes_beside_a_training_job(tmp_path):
     script.write_text("print('train')\n")
     jobs = [{"name": "demo", "script": str(script), "nproc_per_node": 1, "user": "nobody"}]
     services = [service("embed", model(tmp_path, "minilm", MINILM))]
-    proc = playbook(tmp_path, jobs, {"fake1": gpu_node(), "fake2": gpu_node()}, inference_services=services)
+    proc = playbook(tmp_path, jobs, {"fake1": gpu_node(), "fake2": gpu_node()}, inference_services=services, **GATEWAY)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "inference placement passed: 1 services, embed" in proc.stdout
     assert sorted(p.name for p in (tmp_path / "written").iterdir()) == ["fake1", "fake2"]
     # The job's GPU 0 and the service's GPU 1 on each node: a GPU both claim is refused.
     (tmp_path / "written").rename(tmp_path / "written-before")
     services[0]["gpus"] = [0]
-    proc = playbook(tmp_path, jobs, {"fake1": gpu_node()}, inference_services=services)
+    proc = playbook(tmp_path, jobs, {"fake1": gpu_node()}, inference_services=services, **GATEWAY)
     assert proc.returncode != 0
     assert (
         f"FAIL fake1 GPU 0 ({RTX}, 24576 MiB): service embed: gpus: found GPU 0, which training job demo" in proc.stdout
+    )
+
+
+# What a gateway needs besides its placement: clients it admits, and an API key.
+KEY = "k3y-for-the-preflight-test-0123456789"
+GATEWAY = {"budgetgpu_cluster_subnet": "10.0.0.0/24", "inference_api_keys": {"ci": KEY}}
+
+
+def test_a_gateway_open_to_everyone_or_without_a_key_is_refused_and_no_key_is_shown(tmp_path):
+    services = [service("embed", model(tmp_path, "minilm", MINILM))]
+    keys = {"ci": KEY, "short": "tooshort-secret"}
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, inference_services=services, inference_api_keys=keys)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert (
+        "FAIL all: service embed: gateway.allow: found an empty allow list (no gateway.allow, no "
+        "inference_gateway_allow, no budgetgpu_cluster_subnet), expected the CIDRs of the clients" in out
+    )
+    assert "FAIL inference_api_keys.short: found a key of 15 characters (not shown), expected 24 to 256" in out
+    assert "tooshort-secret" not in out and KEY not in out
+    assert list((tmp_path / "written").iterdir()) == []
+    (tmp_path / "written").rename(tmp_path / "written-before")
+    proc = playbook(
+        tmp_path, [], {"fake1": gpu_node()}, inference_services=services, budgetgpu_cluster_subnet="10.0.0.0/24"
+    )
+    assert proc.returncode != 0
+    assert (
+        "FAIL all: service embed: gateway: found no API key, expected at least one in inference_api_keys" in proc.stdout
     )
 
 
@@ -106,5 +134,6 @@ def test_good_inference_inputs_pass():
         "inference_service_defaults": {"dtype": "bfloat16"},
         "inference_user": "alice",
         "inference_gateway_allow": ["10.0.0.0/24"],
+        "inference_api_keys": {"ci": KEY, "batch": {"key": KEY, "rate_per_s": 5}},
     }
     assert inputs.check_inputs("node3", variables, OPTIONS, KNOWN) == []
