@@ -154,3 +154,60 @@ def test_an_empty_or_cut_state_means_no_quarantine_known_logged_never_skip_every
         lines = script.run_pass(config, "t1")
         assert any(line.startswith(f"warn: {state} cannot be read") for line in lines), lines
         assert set(json.loads(state.read_text())["quarantine"]) == {GPUS[1]}
+
+
+def metrics(path: Path) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in path.read_text().splitlines()
+        if line[0] != "#"
+    }
+
+
+def labels(index: int, bus: str) -> str:
+    model = "NVIDIA GeForce RTX 3090"
+    return f'{{gpu="{index}",UUID="{GPUS[index]}",pci_bus_id="0000000{bus}",modelName="{model}",Hostname="node1"}}'
+
+
+def test_a_gpu_off_the_bus_keeps_its_series_present_0_quarantined_1_and_its_xid(watch, tmp_path):
+    script, config, inject = watch
+    config["metrics_file"] = str(tmp_path / "gpu.prom")
+    script.run_pass(config, "t0")
+    # GPU 2 (0000:03:00.0) falls off the bus: Xid 79 in the kernel log, NVML no longer lists it.
+    inject(gpu2={"gone": True})
+    with open(config["kernel_log"], "a") as log:
+        log.write(base.XID_79)
+    script.run_pass(config, "t1")
+    for _ in range(2):  # and it stays so, pass after pass
+        values = metrics(tmp_path / "gpu.prom")
+        gone = labels(2, "0:03:00.0")
+        assert values[f"budgetgpu_gpu_present{gone}"] == 0 and values[f"budgetgpu_gpu_quarantined{gone}"] == 1
+        assert values[f"DCGM_FI_DEV_XID_ERRORS{gone}"] == 79 and values[f"budgetgpu_gpu_xid_errors_total{gone}"] == 1
+        assert f"DCGM_FI_DEV_GPU_TEMP{gone}" not in values
+        assert values[f"budgetgpu_gpu_present{labels(0, '0:01:00.0')}"] == 1
+        assert values['budgetgpu_gpu_health_gpus{Hostname="node1"}'] == 3
+        assert values['budgetgpu_gpu_health_gpus_expected{Hostname="node1"}'] == 4
+        script.run_pass(config, "t2")
+    # Released, the gone GPU is forgotten: a card taken out of the node for good.
+    assert script.release(config, GPUS[2], "t3")[0] == 0
+    script.run_pass(config, "t4")
+    values = metrics(tmp_path / "gpu.prom")
+    assert values['budgetgpu_gpu_health_gpus_expected{Hostname="node1"}'] == 3
+    assert not [key for key in values if GPUS[2] in key]
+
+
+def test_a_gpu_the_probe_saw_and_the_watch_never_did_is_missing_from_the_first_pass(watch, tmp_path):
+    script, config, inject = watch
+    from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_health, nvml_probe
+
+    sample = nvml_probe.health_sample(sys.modules["pynvml"])  # the probe's view, all four GPUs
+    config["expected_gpus"] = gpu_health.expected_gpus(sample)
+    config["metrics_file"] = str(tmp_path / "gpu.prom")
+    inject(gpu3={"gone": True})  # gone before the watch's first pass (a lost state, a card dead at boot)
+    lines = script.run_pass(config, "t0")
+    assert any("no longer listed by NVML" in line for line in lines), lines
+    assert script.check(config, GPUS[3])[0] == 1
+    values = metrics(tmp_path / "gpu.prom")
+    assert values[f"budgetgpu_gpu_present{labels(3, '0:04:00.0')}"] == 0
+    assert values[f"budgetgpu_gpu_quarantined{labels(3, '0:04:00.0')}"] == 1
+    assert values['budgetgpu_gpu_health_gpus_expected{Hostname="node1"}'] == 4
