@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 
 import testinfra.utils.ansible_runner
@@ -150,10 +151,11 @@ def test_what_a_jobs_user_plants_costs_that_jobs_metrics_only_and_a_cut_state_sk
     metrics are written, each refusal is in the journal. Then the state cut in half: workers still start."""
     assert host.check_output(f"systemctl show -p MemoryMax --value {UNIT}.service") == str(256 << 20)
     root = "/var/lib/budgetgpu/jobs"
+    good = shlex.quote(json.dumps({"step": 7}))
     plant = (
         f"install -d -m 0751 -o nobody -g nogroup {root}/good {root}/zero {root}/fifo {root}/list && "
         f"runuser -u nobody -- sh -c 'ln -s /dev/zero {root}/zero/status.json && mkfifo {root}/fifo/status.json && "
-        f'echo [1] > {root}/list/status.json && echo {{\\"step\\": 7}} > {root}/good/status.json\''
+        f"echo [1] > {root}/list/status.json' && echo {good} | runuser -u nobody -- tee {root}/good/status.json"
     )
     host.check_output(plant)
     before = len(journal(host))
