@@ -43,6 +43,7 @@ ROLE_PREFIXES = (
     "gpu_health_",
     "node_exporter_",
     "prometheus_",
+    "alertmanager_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 
