@@ -7,6 +7,8 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    alertmanager_targets,
+    alertmanager_url,
     firewall_rules,
     inference_scrape_targets,
     prometheus_url,
@@ -23,6 +25,8 @@ class FilterModule:
             "monitoring_scrape_targets": scrape_targets,
             "monitoring_scraper_addresses": scraper_addresses,
             "monitoring_prometheus_url": prometheus_url,
+            "monitoring_alertmanager_url": alertmanager_url,
+            "monitoring_alertmanager_targets": alertmanager_targets,
             "monitoring_inference_targets": as_filter(inference_scrape_targets),
             "monitoring_firewall_rules": firewall_rules,
         }

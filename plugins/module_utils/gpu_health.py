@@ -441,6 +441,35 @@ def _remembered(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
     return ((previous or {}).get("gpus") or []) + ((previous or {}).get("missing") or [])
 
 
+def expected_gpus(gpu_facts: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Return [{uuid, index, bus_id, name}] of the GPUs the probe listed (gpu_facts' budgetgpu_gpus): the
+    GPUs the watch expects on the node (role gpu_health writes them into its config at each provision)."""
+    return [
+        {key: gpu.get(key) for key in ("uuid", "index", "bus_id", "name")}
+        for gpu in (gpu_facts or {}).get("gpus") or []
+        if isinstance(gpu, dict) and isinstance(gpu.get("uuid"), str) and gpu["uuid"]
+    ]
+
+
+def with_expected(previous: dict[str, Any] | None, expected: Iterable[dict[str, Any]] | None) -> dict[str, Any]:
+    """Return the previous sample with each expected GPU it does not remember added under "missing": a GPU
+    the probe saw and NVML no longer lists is missing from the watch's first pass on (a lost state, a card
+    gone at boot), as one it saw itself is."""
+    previous = dict(previous or {"gpus": []})
+    known = {gpu.get("uuid") for gpu in _remembered(previous)}
+    added = [dict(gpu) for gpu in expected or [] if gpu.get("uuid") and gpu.get("uuid") not in known]
+    if added:
+        previous["missing"] = list(previous.get("missing") or []) + added
+    return previous
+
+
+def gone(sample: dict[str, Any], previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Return the GPUs the watch remembers (previous, after next_previous) that this sample lacks: those
+    off the bus, and every GPU while the driver answers with none."""
+    present = {gpu.get("uuid") for gpu in sample.get("gpus") or []}
+    return [gpu for gpu in _remembered(previous) if gpu.get("uuid") and gpu.get("uuid") not in present]
+
+
 def next_previous(sample: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
     """Return what the caller saves as the previous sample for the next pass: this sample, with the GPUs
     that went missing kept under "missing" (so that a GPU still gone is not "cleared"); a sample without
@@ -520,9 +549,18 @@ def release(state: dict[str, Any], uuid: str, now: Any) -> tuple[dict[str, Any],
     entry = gpus.get(uuid)
     if entry is None:
         return state, [f"release: {uuid} is not in the health state"]
+    label = entry.get("label") or uuid
+    previous = state.get("previous") or {}
+    missing = previous.get("missing") or []
+    if any(gpu.get("uuid") == uuid for gpu in missing):
+        # A GPU gone from the node, released: taken out for good. The watch forgets it (its series go); a
+        # probe that still lists it (gpu_health's config) makes it missing again at the next pass.
+        previous = {**previous, "missing": [gpu for gpu in missing if gpu.get("uuid") != uuid]}
+        xids = {key: value for key, value in (state.get("xids") or {}).items() if key != uuid}
+        gpus.pop(uuid)
+        return {**state, "gpus": gpus, "previous": previous, "xids": xids}, [f"{label}: released and forgotten (gone)"]
     reasons = {k: r for k, r in (entry.get("reasons") or {}).items() if r["severity"] != "take_out"}
     status = _status(reasons, None)
-    label = entry.get("label") or uuid
     gpus[uuid] = {**entry, "reasons": reasons, "taken_out": None, "status": status, "since": now}
     line = f"{label}: released ({entry.get('status')} -> {status})"
     return {**state, "gpus": gpus}, [line]

@@ -48,7 +48,12 @@ METRICS = {
     "budgetgpu_gpu_health_finding": ("gauge", "1 for each finding of the watch's last pass, by kind (dead_fan, ...)."),
     "budgetgpu_gpu_quarantined": ("gauge", "1 when the GPU is out of service (taken out by the watch or listed)."),
     "budgetgpu_gpu_health_last_pass_timestamp_seconds": ("gauge", "When the health watch's last pass ran."),
+    "budgetgpu_gpu_present": ("gauge", "1 when NVML lists the GPU, 0 for one the node had that is gone."),
     "budgetgpu_gpu_health_gpus": ("gauge", "GPUs the health watch's last pass saw through NVML."),
+    "budgetgpu_gpu_health_gpus_expected": (
+        "gauge",
+        "GPUs the node had: those of its last probe and those the watch saw since, until released.",
+    ),
 }
 
 
@@ -140,7 +145,39 @@ def _gpu_samples(
     for kind in sorted(entry.get("reasons") or {}):
         out.append(("budgetgpu_gpu_health_finding", {**labels, "kind": kind}, 1))
     out.append(("budgetgpu_gpu_quarantined", labels, int(uuid in (state.get("quarantine") or {}))))
+    out.append(("budgetgpu_gpu_present", labels, 1))
     return out
+
+
+def _gone_samples(
+    labels: dict[str, Any], state: dict[str, Any], xids: dict[str, Any]
+) -> list[tuple[str, dict[str, Any], Any]]:
+    """The series a GPU that is gone keeps: its last Xid and their count, the watch's status and findings,
+    its quarantine, present 0 (no reading of NVML: those series go stale)."""
+    uuid = labels["UUID"]
+    entry = (state.get("gpus") or {}).get(uuid) or {}
+    xid = xids.get(uuid) or {"last": 0, "total": 0}
+    out = [
+        ("DCGM_FI_DEV_XID_ERRORS", labels, xid["last"]),
+        ("budgetgpu_gpu_xid_errors_total", labels, xid["total"]),
+        ("budgetgpu_gpu_health_status", labels, STATUS_VALUES.get(entry.get("status", "ok"), 0)),
+    ]
+    out += [
+        ("budgetgpu_gpu_health_finding", {**labels, "kind": kind}, 1) for kind in sorted(entry.get("reasons") or {})
+    ]
+    out.append(("budgetgpu_gpu_quarantined", labels, int(uuid in (state.get("quarantine") or {}))))
+    out.append(("budgetgpu_gpu_present", labels, 0))
+    return out
+
+
+def _gpu_labels(gpu: dict[str, Any], host: str) -> dict[str, Any]:
+    return {
+        "gpu": gpu.get("index"),
+        "UUID": gpu.get("uuid"),
+        "pci_bus_id": nvml_bus_id(gpu.get("bus_id")),
+        "modelName": gpu.get("name") if _known(gpu.get("name")) else "",
+        "Hostname": host,
+    }
 
 
 def render(
@@ -150,24 +187,22 @@ def render(
     boot_links: dict[str, dict[str, Any]] | None = None,
     xids: dict[str, dict[str, int]] | None = None,
     now_seconds: float | None = None,
+    gone: list[dict[str, Any]] | None = None,
 ) -> str:
     """Return the text of one pass: a sample per known value (an unsupported or unknown value is left
-    out, as dcgm-exporter leaves out a field the GPU lacks), grouped under one HELP and TYPE per name."""
+    out, as dcgm-exporter leaves out a field the GPU lacks), grouped under one HELP and TYPE per name.
+    gone: the GPUs the node had that this sample lacks (gpu_health.gone), each with the series it keeps,
+    under the labels it had."""
     samples: list[tuple[str, dict[str, Any], Any]] = []
-    for gpu in sample.get("gpus") or []:
-        if not gpu.get("uuid"):
-            continue
-        labels = {
-            "gpu": gpu.get("index"),
-            "UUID": gpu.get("uuid"),
-            "pci_bus_id": nvml_bus_id(gpu.get("bus_id")),
-            "modelName": gpu.get("name") if _known(gpu.get("name")) else "",
-            "Hostname": host,
-        }
+    present = [gpu for gpu in sample.get("gpus") or [] if gpu.get("uuid")]
+    for gpu in present:
         boot = (boot_links or {}).get(str(gpu.get("bus_id"))) or {}
-        samples += _gpu_samples(gpu, labels, state, boot, xids or {})
+        samples += _gpu_samples(gpu, _gpu_labels(gpu, host), state, boot, xids or {})
+    for gpu in gone or []:
+        samples += _gone_samples(_gpu_labels(gpu, host), state, xids or {})
     node = {"Hostname": host}
     samples.append(("budgetgpu_gpu_health_gpus", node, len(sample.get("gpus") or [])))
+    samples.append(("budgetgpu_gpu_health_gpus_expected", node, len(present) + len(gone or [])))
     if now_seconds is not None:
         samples.append(("budgetgpu_gpu_health_last_pass_timestamp_seconds", node, round(now_seconds, 3)))
     lines = []

@@ -13,12 +13,18 @@ seconds: rank 0 writes it at every log line) exports no rate, no ratio and no st
 job leaves no gauge frozen at its last value, and Prometheus marks those series stale at the next
 scrape. What stays is what is still true: the last step, the file's age, running 0.
 
+A status file is the job's, not the watch's: parse_status holds its schema and bound (one function,
+STATUS_FIELDS and RANK_FIELDS its table), and a file it refuses costs that job's metrics only.
+
 Plain standard-library Python with no imports from the rest of the collection (the watch loads it
 by path, as it loads gpu_metrics.py). Pure over its inputs.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Any
 
 # The units of the training jobs: plugin_utils/jobs.py UNIT_PREFIX (a unit test holds them equal).
@@ -27,6 +33,127 @@ STATUS_FILE = "status.json"
 # Seconds after which a status whose unit is active still counts as stale (rank 0 stopped writing:
 # a hung job, or a status left behind on a node that is no longer the job's master).
 STALE_AFTER_S = 900
+
+# The bound of a status file: rank 0 writes about 100 bytes per rank (a 1024-rank job: about 100 KiB).
+STATUS_MAX_BYTES = 1 << 20
+STATUS_MAX_RANKS = 1024
+# Nesting below the top level: ranks, a rank, a value of a rank (a breakdown's parts).
+STATUS_MAX_DEPTH = 4
+# The largest integer that stays exact as the float a metric is (2**53), and far below float's overflow.
+_MAX_INT = 1 << 53
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+NUMBER, TEXT = "number", "text"
+# The status schema (roles/torchrun/files/budgetgpu_straggler.py write_status): each field the metrics
+# read and its kind. A field of another kind refuses the file; fields not listed pass through parse_status
+# with their numbers checked finite and their texts cleaned, so a writer may add some before a reader.
+STATUS_FIELDS = {
+    "time": NUMBER,
+    "step": NUMBER,
+    "steps_per_s": NUMBER,
+    "world": NUMBER,
+    "restarts": NUMBER,
+    "straggler": TEXT,
+    "straggler_ratio": NUMBER,
+    "straggler_threshold": NUMBER,
+    "window_steps": NUMBER,
+    # What the job runs (train_ddp's settings_status): the verdict and the dashboard read them.
+    "backend": TEXT,
+    "gradient_compression": TEXT,
+    "bucket_cap_mb": NUMBER,
+    "accumulate_steps": NUMBER,
+}
+# Each entry of "ranks" (a list of at most STATUS_MAX_RANKS mappings).
+# step_s is compute; comm_s (communication not hidden), data_s (waiting for data) and wall_s (the whole step)
+# are the breakdown (budgetgpu_straggler.ranks_status).
+RANK_FIELDS = {
+    "rank": NUMBER,
+    "host": TEXT,
+    "local_rank": NUMBER,
+    "step_s": NUMBER,
+    "comm_s": NUMBER,
+    "data_s": NUMBER,
+    "wall_s": NUMBER,
+}
+
+
+class StatusError(ValueError):
+    """A status file the watch refuses; the message says what was expected and what was found."""
+
+
+def clean_text(value: Any) -> str:
+    """Return value as a text with its lone surrogates replaced (U+FFFD): a job's name from a directory
+    that is not UTF-8, a text of its status; such a text cannot be written as UTF-8."""
+    return _SURROGATES.sub("\ufffd", str(value))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise StatusError(f"{name} is not a finite number")
+
+
+def _clean(value: Any, where: str, depth: int) -> Any:
+    """Return value with its texts' lone surrogates replaced (U+FFFD; a text that cannot be written as
+    UTF-8 would end the metrics file), refusing numbers that are not finite or too large, and nesting."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if abs(value) > _MAX_INT:
+            raise StatusError(f"{where}: an integer of {len(str(abs(value)))} digits, expected at most 2**53")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise StatusError(f"{where}: {value}, expected a finite number")
+        return value
+    if depth >= STATUS_MAX_DEPTH:
+        raise StatusError(f"{where}: nested deeper than {STATUS_MAX_DEPTH} levels")
+    if isinstance(value, list):
+        return [_clean(item, f"{where}[{n}]", depth + 1) for n, item in enumerate(value)]
+    return {_clean(key, where, depth + 1): _clean(item, f"{where}.{key}", depth + 1) for key, item in value.items()}
+
+
+def _check_fields(mapping: dict[str, Any], fields: dict[str, str], where: str) -> None:
+    for key, kind in fields.items():
+        value = mapping.get(key)
+        if value is None:
+            continue
+        if kind == NUMBER and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise StatusError(f"{where}{key} is {type(value).__name__} {str(value)[:40]!r}, expected a number")
+        if kind == TEXT and not isinstance(value, str):
+            raise StatusError(f"{where}{key} is {type(value).__name__}, expected a text")
+
+
+def parse_status(data: bytes) -> dict[str, Any]:
+    """Return a job's status from the bytes of its status.json, or raise StatusError: at most
+    STATUS_MAX_BYTES, JSON, a mapping whose STATUS_FIELDS have their kinds, "ranks" a list of at most
+    STATUS_MAX_RANKS mappings whose RANK_FIELDS have theirs; every number finite and within 2**53,
+    every text with its lone surrogates (and bytes that are not UTF-8) replaced."""
+    if len(data) > STATUS_MAX_BYTES:
+        raise StatusError(f"{len(data)} bytes or more, expected at most {STATUS_MAX_BYTES}")
+    try:
+        value = json.loads(data.decode("utf-8", "replace"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise StatusError("nested too deep to parse") from None
+    except StatusError:
+        raise
+    except ValueError as error:
+        raise StatusError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise StatusError(f"a JSON {type(value).__name__}, expected a mapping")
+    ranks = value.get("ranks")
+    if ranks is not None and not isinstance(ranks, list):
+        raise StatusError(f"ranks is {type(ranks).__name__}, expected a list")
+    if ranks and len(ranks) > STATUS_MAX_RANKS:
+        raise StatusError(f"{len(ranks)} ranks, expected at most {STATUS_MAX_RANKS}")
+    status = _clean(value, "status", 0)
+    _check_fields(status, STATUS_FIELDS, "")
+    for number, rank in enumerate(status.get("ranks") or []):
+        if not isinstance(rank, dict):
+            raise StatusError(f"ranks[{number}] is {type(rank).__name__}, expected a mapping")
+        _check_fields(rank, RANK_FIELDS, f"ranks[{number}].")
+    return status
+
 
 # name: (type, help). The order of the output.
 METRICS = {
@@ -71,7 +198,7 @@ def _number(value: Any) -> float | None:
 
 
 def _escape(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return clean_text(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _text(value: float) -> str:
@@ -125,7 +252,14 @@ def render(jobs: list[dict[str, Any]], stale_after: float = STALE_AFTER_S) -> st
     ("" for no job: node exporter reads an empty file as no metrics)."""
     samples = []
     for job in sorted(jobs, key=lambda j: str(j["name"])):
-        samples += job_samples(str(job["name"]), job.get("status") or {}, job.get("active"), job["age_s"], stale_after)
+        # Each job on its own: a status parse_status let through and this code still trips on costs that
+        # job's metrics, never the others'.
+        try:
+            status = job.get("status") or {}
+            name = clean_text(job["name"])
+            samples += job_samples(name, status, job.get("active"), job["age_s"], stale_after)
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            continue
     lines = []
     for name, (kind, words) in METRICS.items():
         mine = [(labels, value) for metric, labels, value in samples if metric == name]

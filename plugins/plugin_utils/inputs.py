@@ -44,6 +44,7 @@ ROLE_PREFIXES = (
     "node_exporter_",
     "prometheus_",
     "slurm_",
+    "alertmanager_",
 )
 CLUSTER_PREFIX = "budgetgpu_"
 

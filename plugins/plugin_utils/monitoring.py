@@ -2,8 +2,8 @@
 the one net_facts chose), the inference workers' targets (the inference service model's own placement
 and ports: plugin_utils/inference.py inference_workers, never a second copy of them) and the addresses
 a Prometheus host may connect from (the node exporters', the workers' and Prometheus' own firewall);
-and where the control node finds Prometheus' HTTP API (playbooks/report.yml). Controller side, pure
-over hostvars."""
+where the control node finds Prometheus' HTTP API (playbooks/report.yml) and Alertmanager's (what posts
+alerts, amtool), and where Prometheus sends its alerts. Controller side, pure over hostvars."""
 
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ def scraper_addresses(hosts: list[str], hostvars: Mapping[str, Any], extra: list
 
 # A listen address on every interface: the control node must pick one of the host's addresses itself.
 _ANY_ADDRESS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+# Role alertmanager's default alertmanager_listen_address (its defaults/main.yml: a unit test holds them equal).
+ALERTMANAGER_LISTEN_ADDRESS = "0.0.0.0:9093"
+
+
+def alertmanager_url(host: str, hostvars: Mapping[str, Any]) -> str:
+    """Return http://ADDRESS:PORT of the Alertmanager on host (role alertmanager) as the control node
+    reaches it, from that host's alertmanager_listen_address (else the role's default), as prometheus_url
+    decides: what another program posts alerts to (POST <url>/api/v2/alerts) and amtool's
+    --alertmanager.url."""
+    hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
+    listen = hv.get("alertmanager_listen_address") if isinstance(hv, Mapping) else None
+    return prometheus_url(host, hostvars, str(listen or ALERTMANAGER_LISTEN_ADDRESS))
+
+
+def alertmanager_targets(hosts: list[str], hostvars: Mapping[str, Any]) -> list[str]:
+    """Return ADDRESS:PORT of each host's Alertmanager, for Prometheus' alerting config
+    (prometheus_alertmanagers): alertmanager_url without its scheme."""
+    return [alertmanager_url(host, hostvars).split("//", 1)[1] for host in hosts or []]
 
 
 def prometheus_url(host: str, hostvars: Mapping[str, Any], listen_address: str) -> str:

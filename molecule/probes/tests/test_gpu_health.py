@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import time
 
 import testinfra.utils.ansible_runner
 
@@ -141,3 +143,42 @@ def test_gpu_release_names_what_is_quarantined_then_returns_the_gpu(host, playbo
     run_pass(host)
     assert set(state(host)["quarantine"]) == {LISTED}
     assert plan(host, nproc=4, fixed=False)["argv"] == ["--nproc-per-node=3", "train.py"]
+
+
+def test_what_a_jobs_user_plants_costs_that_jobs_metrics_only_and_a_cut_state_skips_no_worker(host):
+    """As the job's user, in its own 0751 directory: a link to /dev/zero, a FIFO, a JSON list; beside a job
+    whose status is good. The watch's pass (its unit, MemoryMax= on it) stays on time, the good job's
+    metrics are written, each refusal is in the journal. Then the state cut in half: workers still start."""
+    assert host.check_output(f"systemctl show -p MemoryMax --value {UNIT}.service") == str(256 << 20)
+    root = "/var/lib/budgetgpu/jobs"
+    good = shlex.quote(json.dumps({"step": 7}))
+    plant = (
+        f"install -d -m 0751 -o nobody -g nogroup {root}/good {root}/zero {root}/fifo {root}/list && "
+        f"runuser -u nobody -- sh -c 'ln -s /dev/zero {root}/zero/status.json && mkfifo {root}/fifo/status.json && "
+        f"echo [1] > {root}/list/status.json' && echo {good} | runuser -u nobody -- tee {root}/good/status.json"
+    )
+    host.check_output(plant)
+    before = len(journal(host))
+    try:
+        started = time.monotonic()
+        run_pass(host)
+        assert time.monotonic() - started < 20
+        text = host.check_output("cat /var/lib/budgetgpu/gpu-health/jobs.prom")
+        assert 'budgetgpu_job_last_step{job="good"} 7' in text and 'job="zero"' not in text
+        lines = journal(host)[before:]
+        for job, words in (
+            ("zero", "a symbolic link, expected a regular file"),
+            ("fifo", "not a regular file"),
+            ("list", "a JSON list, expected a mapping"),
+        ):
+            assert [line for line in lines if f"job {job}: " in line and words in line], (job, lines)
+        # The state cut (a crash, a full disk): a worker's ExecCondition starts it on a GPU in service.
+        host.check_output(f"cp {STATE} /tmp/state.json && truncate -s 40 {STATE}")
+        worker = host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {GPUS[0]}")
+        assert worker.rc == 0 and "no quarantine known beyond the inventory's" in worker.stderr
+        assert host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {LISTED}").rc == 1
+    finally:
+        host.check_output(f"rm -rf {root}/good {root}/zero {root}/fifo {root}/list")
+        host.check_output(f"if [ -f /tmp/state.json ]; then cat /tmp/state.json > {STATE}; fi")
+        run_pass(host)
+    assert set(state(host)["quarantine"]) == {LISTED}

@@ -21,6 +21,7 @@ REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY", "."))
 GPUS_3090 = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
 H200 = "GPU-0f7beba8-d2ad-9855-c2eb-a600187383a0"
 FAULTS = "/etc/budgetgpu-sim/faults.json"
+KERN_LOG = "/var/lib/budgetgpu-sim/kern.log"
 WATCH = "systemctl start budgetgpu-gpu-health.service"
 # Ask Prometheus' HTTP API on its own host (the API is not published outside the scenario's network).
 GET = (
@@ -198,3 +199,98 @@ def test_the_rules_pass_their_promtool_tests_with_the_nodes_promtool(host):
     assert "SUCCESS" in done.stdout + done.stderr
     # The file the role installed passes promtool's check (it was validated before it landed).
     assert host.run("promtool check rules /etc/prometheus/budgetgpu.rules.yml").rc == 0
+
+
+def test_a_gpu_off_the_bus_stays_in_the_metrics_and_its_alerts_fire(host):
+    """GPU 3 of probes-3090 falls off the bus under NVML (gpu_sim's fault "gone") with its Xid 79 in the
+    kernel log: its series stay (present 0, quarantined 1, its Xid), and the node's lost-GPU alert, its
+    quarantine and its Xid alert fire in Prometheus."""
+    node = RUNNER.get_host("probes-3090")
+    lost = GPUS_3090[3]
+    xid = (
+        "Dec  1 03:00:00 probes-3090 kernel: NVRM: Xid (PCI:0000:04:00): 79, pid=4243, name=python3, "
+        "GPU has fallen off the bus."
+    )
+    fault = {lost: {"gone": True}}
+    node.check_output(
+        f"echo {shlex.quote(json.dumps(fault))} > {FAULTS} && echo {shlex.quote(xid)} >> {KERN_LOG} && {WATCH}"
+    )
+    try:
+        present = wait_for(
+            lambda: query(host, f'budgetgpu_gpu_present{{UUID="{lost}"}}'),
+            lambda got: [s["value"][1] for s in got] == ["0"],
+        )
+        assert present[0]["metric"]["instance"] == "probes-3090" and present[0]["metric"]["gpu"] == "3"
+        assert [s["value"][1] for s in query(host, f'DCGM_FI_DEV_XID_ERRORS{{UUID="{lost}"}}')] == ["79"]
+        fired = wait_for(lambda: alerts(host, "BudgetgpuGpuLost"), lambda got: [a["state"] for a in got] == ["firing"])
+        assert fired[0]["labels"]["instance"] == "probes-3090"
+        assert fired[0]["annotations"]["summary"].startswith("probes-3090: NVML lists 3 GPUs, fewer than the node had")
+        for name in ("BudgetgpuGpuQuarantined", "BudgetgpuGpuXid"):
+            wait_for(
+                lambda name=name: alerts(host, name),
+                lambda got: any(a["labels"]["UUID"] == lost and a["state"] == "firing" for a in got),
+            )
+    finally:
+        node.check_output(f"echo '{{}}' > {FAULTS} && {WATCH} && gpu-health release {lost} && {WATCH}")
+    wait_for(lambda: alerts(host, "BudgetgpuGpuLost"), lambda got: got == [])
+
+
+WEBHOOK_FILE = "/var/lib/budgetgpu-webhook/alerts.jsonl"
+
+
+def received() -> list[dict]:
+    """What the webhook receiver on probes-h200 got from Alertmanager, one notification each."""
+    text = RUNNER.get_host("probes-h200").check_output(f"cat {WEBHOOK_FILE} 2>/dev/null || true")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def notified(since: int, name: str, status: str, uuid: str) -> list[dict]:
+    return [
+        alert
+        for message in received()[since:]
+        for alert in message["alerts"]
+        if alert["labels"]["alertname"] == name and alert["status"] == status and alert["labels"].get("UUID") == uuid
+    ]
+
+
+def test_alertmanager_answers_prometheus_and_the_control_node_only_with_its_cluster_port_off(host):
+    address = node_addresses(host)["probes-nvml"]
+    assert host.check_output(connect(address, 9093)) == "open"  # Prometheus' host (its own address)
+    assert RUNNER.get_host("probes-h200").check_output(connect(address, 9093)) == "refused"
+    assert RUNNER.get_host("probes-3090").check_output(connect(address, 9093)) == "refused"
+    # The control node (this machine, the scenario network's gateway): what posts alerts and runs amtool.
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}:9093/api/v2/status", timeout=10) as answer:
+        status = json.loads(answer.read())
+    assert status["cluster"]["status"] == "disabled"  # --cluster.listen-address= : no gossip port
+    assert host.check_output("ss -Hltn 'sport = :9094'") == ""
+    assert RUNNER.get_host("probes-h200").check_output(connect(address, 9094)) == "refused"
+    managers = api(host, "alertmanagers")["activeAlertmanagers"]
+    assert [m["url"] for m in managers] == [f"http://{address}:9093/api/v2/alerts"]
+
+
+def test_a_dead_fan_reaches_the_webhook_naming_node_and_gpu_then_resolved(host):
+    node = RUNNER.get_host("probes-3090")
+    since = len(received())
+    fault = {GPUS_3090[0]: {"fans": [{"speed": 0, "target": 80}], "temp": 88}}
+    started = time.monotonic()
+    node.check_output(f"echo {shlex.quote(json.dumps(fault))} > {FAULTS} && {WATCH}")
+    try:
+        firing = wait_for(
+            lambda: notified(since, "BudgetgpuGpuFanDead", "firing", GPUS_3090[0]), lambda got: len(got) >= 1
+        )
+        labels = firing[0]["labels"]
+        assert (labels["instance"], labels["Hostname"], labels["gpu"], labels["severity"]) == (
+            "probes-3090",
+            "probes-3090",
+            "0",
+            "critical",
+        )
+        assert firing[0]["annotations"]["summary"].startswith("probes-3090: GPU 0 (GPU-30900000-")
+        print(f"dead fan to webhook: {time.monotonic() - started:.0f} s")
+    finally:
+        node.check_output(f"echo '{{}}' > {FAULTS} && {WATCH} && gpu-health release {GPUS_3090[0]} && {WATCH}")
+    cleared = time.monotonic()
+    wait_for(lambda: notified(since, "BudgetgpuGpuFanDead", "resolved", GPUS_3090[0]), lambda got: len(got) >= 1)
+    print(f"resolved to webhook: {time.monotonic() - cleared:.0f} s")

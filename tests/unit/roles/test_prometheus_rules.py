@@ -41,6 +41,7 @@ def test_every_alert_the_issue_asks_for_is_there_with_its_variables():
         "BudgetgpuUnitRestarting",
         "BudgetgpuGpuTooHot",
         "BudgetgpuGpuFanDead",
+        "BudgetgpuGpuLost",
         "BudgetgpuGpuQuarantined",
         "BudgetgpuGpuXid",
         "BudgetgpuPcieLinkBelowExpected",

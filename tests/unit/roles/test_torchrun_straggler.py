@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import job_metrics
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS
 
 PATH = Path(__file__).resolve().parents[3] / "roles/torchrun/files/budgetgpu_straggler.py"
@@ -160,6 +161,21 @@ def test_bf16_is_refused_off_nccl_and_accepted_on_it():
 def test_the_status_lists_at_most_1024_ranks_with_their_breakdown():
     times = [RankTime(i, f"n{i // 8}", i % 8, 2.0, "cuda", 1.0, 0.5, 4.0) for i in range(1100)]
     status = straggler.ranks_status(times, steps=10)
-    assert len(status["ranks"]) == straggler.MAX_STATUS_RANKS == 1024
+    # One bound: the writer's is the watch's (job_metrics.parse_status refuses more).
+    assert len(status["ranks"]) == straggler.MAX_STATUS_RANKS == job_metrics.STATUS_MAX_RANKS == 1024
     assert status["ranks"][0] == {"rank": 0, "host": "n0", "local_rank": 0, "step_s": 0.2, "comm_s": 0.1,
                                   "data_s": 0.05, "wall_s": 0.4}  # fmt: skip
+
+
+def test_the_status_the_trainer_writes_is_the_watchs_schema():
+    # Every field the writer puts in a rank's entry is one the watch's schema types: a field added to one
+    # side and not the other fails here, not on a node.
+    times = [RankTime(i, f"n{i}", 0, 2.0, "cpu", 1.0, 0.5, 4.0) for i in range(2)]
+    status = {"step": 10, "steps_per_s": 1.5, "world": 2, "restarts": 0, **straggler.ranks_status(times, steps=10)}
+    status |= {"backend": "gloo", "gradient_compression": "fp16", "bucket_cap_mb": 25, "accumulate_steps": 1}
+    parsed = job_metrics.parse_status(json.dumps(status).encode())
+    assert set(parsed["ranks"][0]) <= set(job_metrics.RANK_FIELDS)
+    assert set(parsed) - {"ranks"} <= set(job_metrics.STATUS_FIELDS)
+    status["ranks"][0]["comm_s"] = "slow"
+    with pytest.raises(job_metrics.StatusError):
+        job_metrics.parse_status(json.dumps(status).encode())

@@ -97,7 +97,10 @@ def test_unsupported_and_unknown_values_are_left_out_and_a_healthy_gpu_reads_zer
 def test_energy_in_millijoules_and_no_gpu_gives_only_the_node_line():
     values = parse(gpu_metrics.render({"gpus": [{**GPU, "energy_total_j": 1234.5678}]}, {}, "n"))
     assert values["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{" + LABELS.replace("node1", "n") + "}"] == 1234568
-    assert parse(gpu_metrics.render({"gpus": []}, {}, "n")) == {'budgetgpu_gpu_health_gpus{Hostname="n"}': 0}
+    assert parse(gpu_metrics.render({"gpus": []}, {}, "n")) == {
+        'budgetgpu_gpu_health_gpus{Hostname="n"}': 0,
+        'budgetgpu_gpu_health_gpus_expected{Hostname="n"}': 0,
+    }
 
 
 def test_label_values_are_escaped():
@@ -120,3 +123,27 @@ def test_nvml_bus_id():
     assert gpu_metrics.nvml_bus_id("0000:3b:00.0") == "00000000:3B:00.0"
     assert gpu_metrics.nvml_bus_id("03:00.0") == "00000000:03:00.0"
     assert gpu_metrics.nvml_bus_id(None) == ""
+
+
+def test_a_gpu_that_is_gone_keeps_its_series_present_0_quarantined_and_its_last_xid():
+    other = {**GPU, "index": 0, "uuid": "GPU-a", "bus_id": "0000:01:00.0"}
+    gone = {"index": 2, "uuid": UUID, "bus_id": "0000:04:00.0", "name": "NVIDIA GeForce RTX 3090"}
+    state = {
+        "gpus": {UUID: {"status": "take_out", "reasons": {"gpu_missing": {}, "xid_79": {}}}},
+        "quarantine": {UUID: {"by": "watch", "reason": "gone", "since": "t1"}},
+    }
+    values = parse(
+        gpu_metrics.render({"gpus": [other]}, state, "node1", xids={UUID: {"last": 79, "total": 1}}, gone=[gone])
+    )
+    assert values["budgetgpu_gpu_present{" + LABELS + "}"] == 0
+    assert values["budgetgpu_gpu_quarantined{" + LABELS + "}"] == 1
+    assert values["DCGM_FI_DEV_XID_ERRORS{" + LABELS + "}"] == 79
+    assert values["budgetgpu_gpu_xid_errors_total{" + LABELS + "}"] == 1
+    assert values["budgetgpu_gpu_health_status{" + LABELS + "}"] == 2
+    assert values["budgetgpu_gpu_health_finding{" + LABELS + ',kind="gpu_missing"}'] == 1
+    # No reading of NVML for it: its temperature, power and link series go (stale in Prometheus).
+    assert not [key for key in values if key.startswith("DCGM_FI_DEV_GPU_TEMP") and UUID in key]
+    assert values['budgetgpu_gpu_health_gpus{Hostname="node1"}'] == 1
+    assert values['budgetgpu_gpu_health_gpus_expected{Hostname="node1"}'] == 2
+    present = LABELS.replace('gpu="2"', 'gpu="0"').replace(UUID, "GPU-a").replace("04:00.0", "01:00.0")
+    assert values["budgetgpu_gpu_present{" + present + "}"] == 1
