@@ -93,14 +93,14 @@ class Bench:
         model = copy.deepcopy(self.base)
         data = self.data(self.args.global_batch // 4)
         times = []
-        for _ in range(3):
+        for _repeat in range(3):
             inputs, labels = next(data)
             start = time.perf_counter()
             nn.functional.cross_entropy(model(inputs), labels).backward()
             times.append(time.perf_counter() - start)
         flat = torch.zeros(self.numel)
         reduce_times = []
-        for _ in range(3):
+        for _repeat in range(3):
             self.dist.barrier()
             start = time.perf_counter()
             self.dist.all_reduce(flat)
@@ -208,7 +208,7 @@ def calibrate(bench: Bench, ratios: list[float]) -> dict[float, float | None]:
     for ratio in ratios:
         target = ratio * compute
         rate = None if unshaped >= target else wire / target
-        for _ in range(2):  # two corrections: the CPU's share is not on the wire
+        for _correction in range(2):  # two corrections: the CPU's share is not on the wire
             if rate is None:
                 break
             shape(rate)

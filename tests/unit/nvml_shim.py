@@ -200,7 +200,12 @@ def run(binding: Binding, lib: Path | None, profile: Path, state: Path, *args: s
     if lib is not None:
         env["LD_LIBRARY_PATH"] = str(lib)
     done = subprocess.run(
-        [sys.executable, str(SHIM / "with_binding.py"), *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(SHIM / "with_binding.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     if done.returncode != 0:
         raise AssertionError(f"with_binding.py {' '.join(args)} under {binding.requirement}:\n{done.stderr}")
@@ -220,6 +225,6 @@ def run_module(binding: Binding, lib: Path | None, profile: Path, args: dict[str
     arguments.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": args}))
     module = REPO / "plugins" / "modules" / "gpu_facts.py"
     done = subprocess.run(
-        [sys.executable, str(module), str(arguments)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(module), str(arguments)], env=env, capture_output=True, text=True, timeout=120, check=False
     )
     return json.loads(done.stdout)

@@ -178,7 +178,7 @@ def test_a_gpu_off_the_bus_keeps_its_series_present_0_quarantined_1_and_its_xid(
     with open(config["kernel_log"], "a") as log:
         log.write(base.XID_79)
     script.run_pass(config, "t1")
-    for _ in range(2):  # and it stays so, pass after pass
+    for _pass in range(2):  # and it stays so, pass after pass
         values = metrics(tmp_path / "gpu.prom")
         gone = labels(2, "0:03:00.0")
         assert values[f"budgetgpu_gpu_present{gone}"] == 0 and values[f"budgetgpu_gpu_quarantined{gone}"] == 1
