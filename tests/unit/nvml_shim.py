@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import nvml_probe as _nvml_probe
+
 REPO = Path(__file__).resolve().parents[2]
+# The directory that holds ansible_collections/budgetgpu/cluster as this test process imports it: the
+# checkout's .collections under pytest, ansible-test's copy of the tree under `make unit`.
+COLLECTIONS_ROOT = Path(_nvml_probe.__file__).absolute().parents[5]
 SHIM = REPO / "tests" / "fixtures" / "nvml-shim"
 PROFILES = REPO / "roles" / "gpu_sim" / "files" / "profiles"
 BINDINGS_DIR = Path(os.environ.get("BUDGETGPU_NVML_BINDINGS_DIR", REPO / ".cache" / "nvml-bindings"))
@@ -195,7 +200,7 @@ def flat_profile(name: str, faults: dict[str, dict[str, Any]] | None = None) -> 
 def run(binding: Binding, lib: Path | None, profile: Path, state: Path, *args: str) -> dict[str, Any]:
     """Run with_binding.py with this binding; lib None: no libnvidia-ml.so.1 at all (no driver)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_"))}
-    env["PYTHONPATH"] = f"{binding.path}{os.pathsep}{REPO / '.collections'}"
+    env["PYTHONPATH"] = f"{binding.path}{os.pathsep}{COLLECTIONS_ROOT}"
     env["BUDGETGPU_NVML_SHIM_PROFILE"], env["BUDGETGPU_NVML_SHIM_STATE"] = str(profile), str(state)
     if lib is not None:
         env["LD_LIBRARY_PATH"] = str(lib)
@@ -217,7 +222,7 @@ def run(binding: Binding, lib: Path | None, profile: Path, state: Path, *args: s
 def run_module(binding: Binding, lib: Path | None, profile: Path, args: dict[str, Any], folder: Path) -> dict[str, Any]:
     """Run the gpu_facts module file itself (AnsibleModule reads its arguments from a JSON file)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "LD_"))}
-    env["PYTHONPATH"] = f"{binding.path}{os.pathsep}{REPO / '.collections'}"
+    env["PYTHONPATH"] = f"{binding.path}{os.pathsep}{COLLECTIONS_ROOT}"
     env["BUDGETGPU_NVML_SHIM_PROFILE"] = str(profile)
     if lib is not None:
         env["LD_LIBRARY_PATH"] = str(lib)
