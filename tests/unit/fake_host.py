@@ -81,7 +81,9 @@ def run_batch(tmp_path: Path, playbook: str, host_vars: dict[str, dict], *, opti
         options=options,
         # Many cases in one run: more time than one case's 120 s on a loaded machine.
         timeout=300,
-        env={"ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json"},
+        # The json callback is ansible.posix's: ansible-test's copy of the tree has no .collections link to
+        # it, the venv's site-packages has it.
+        env={"ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json", "ANSIBLE_COLLECTIONS_SCAN_SYS_PATH": "true"},
     )
     try:
         return json.loads(result.stdout)
