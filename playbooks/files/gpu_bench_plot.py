@@ -28,6 +28,42 @@ def figure(gpu: dict, metric: str) -> float | None:
     return value if isinstance(value, int | float) else None
 
 
+def draw_panel(ax, gpus: list[dict], labels: list[str], metric: str, title: str, unit: str) -> None:
+    """One metric's bars, one per GPU: red when slow, the median of its model and what its link carries as marks."""
+    values = [figure(gpu, metric) or 0 for gpu in gpus]
+    colors = ["tab:red" if metric in gpu["slow"] else "tab:blue" for gpu in gpus]
+    positions = range(len(gpus))
+    ax.bar(positions, values, color=colors)
+    medians = [gpu["peer_median"].get(metric) for gpu in gpus]
+    ax.scatter(
+        positions,
+        [m if m is not None else float("nan") for m in medians],
+        marker="_",
+        s=600,
+        color="black",
+        label="median of its model",
+        zorder=3,
+    )
+    if metric in ("h2d_gbs", "d2h_gbs"):
+        links = [(gpu.get("link") or {}).get("bandwidth_gbps") for gpu in gpus]
+        ax.scatter(
+            positions,
+            [link if link is not None else float("nan") for link in links],
+            marker="_",
+            s=600,
+            color="tab:green",
+            linestyle="--",
+            label="link carries",
+            zorder=3,
+        )
+    ax.set_xticks(list(positions))
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+    ax.set_title(title)
+    ax.set_ylabel(unit)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -48,38 +84,7 @@ def main(argv: list[str]) -> int:
     labels = [f"{gpu['host']}:{gpu['index']}" for gpu in gpus]
     fig, axes = plt.subplots(2, 3, figsize=(max(9, 1.2 * len(gpus) * 3), 7), dpi=100)
     for ax, (metric, title, unit) in zip(axes.flat, PANELS, strict=True):
-        values = [figure(gpu, metric) or 0 for gpu in gpus]
-        colors = ["tab:red" if metric in gpu["slow"] else "tab:blue" for gpu in gpus]
-        positions = range(len(gpus))
-        ax.bar(positions, values, color=colors)
-        medians = [gpu["peer_median"].get(metric) for gpu in gpus]
-        ax.scatter(
-            positions,
-            [m if m is not None else float("nan") for m in medians],
-            marker="_",
-            s=600,
-            color="black",
-            label="median of its model",
-            zorder=3,
-        )
-        if metric in ("h2d_gbs", "d2h_gbs"):
-            links = [(gpu.get("link") or {}).get("bandwidth_gbps") for gpu in gpus]
-            ax.scatter(
-                positions,
-                [link if link is not None else float("nan") for link in links],
-                marker="_",
-                s=600,
-                color="tab:green",
-                linestyle="--",
-                label="link carries",
-                zorder=3,
-            )
-        ax.set_xticks(list(positions))
-        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(loc="best", fontsize=7)
+        draw_panel(ax, gpus, labels, metric, title, unit)
     verdict = (
         "PASS"
         if report.get("passed")

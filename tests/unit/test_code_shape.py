@@ -10,19 +10,42 @@ import os
 import pkgutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FUNCTION_LINES = 60
-# Python without a .py suffix (pyproject.toml's extend-include lists them for ruff too).
-SCRIPTS = ["scripts/demo-cluster", "scripts/gpu-probe", "scripts/gpu-smoke", "scripts/nightly-reprovision"]
+# Where the project's Python lives: the controller's plugins, the files the roles and playbooks
+# install on the nodes, and the scripts of the checkout.
+PYTHON_DIRS = ("plugins", "roles", "playbooks", "scripts")
+
+
+def _is_python_script(path: Path) -> bool:
+    """An executable without a .py suffix whose shebang names Python (scripts/gpu-health, the units' helpers)."""
+    if path.suffix or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        first = f.readline(200)
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _python_scripts() -> list[Path]:
+    return sorted(p for d in PYTHON_DIRS for p in (ROOT / d).rglob("*") if _is_python_script(p))
 
 
 def _python_files() -> list[Path]:
-    files = [p for d in ("plugins", "roles", "scripts") for p in (ROOT / d).rglob("*.py")]
-    return files + [ROOT / s for s in SCRIPTS if (ROOT / s).exists()]
+    return [p for d in PYTHON_DIRS for p in (ROOT / d).rglob("*.py")] + _python_scripts()
+
+
+def test_ruff_reads_every_python_script() -> None:
+    # ruff only reads suffix-less files that pyproject.toml's extend-include names: a script left out
+    # of that list is never linted nor formatted.
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["extend-include"])
+    found = {str(p.relative_to(ROOT)) for p in _python_scripts()}
+    assert found - listed == set(), f"add to [tool.ruff] extend-include: {sorted(found - listed)}"
+    assert listed - found == set(), f"no such Python script, remove from extend-include: {sorted(listed - found)}"
 
 
 def test_no_function_is_longer_than_60_lines() -> None:
