@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -481,31 +479,13 @@ def test_slow_connections_do_not_starve_a_normal_client(gateway: str) -> None:
     assert bodies["429"] >= 60 and bodies["429"] + bodies["408"] + bodies["closed"] == 200, bodies
 
 
-def test_preflight_refuses_a_gateway_with_an_empty_allow_list(tmp_path) -> None:
+def test_preflight_refuses_a_gateway_with_an_empty_allow_list(tmp_path, playbook) -> None:
     # No budgetgpu_cluster_subnet and no gateway.allow: the gateway would be open to everyone.
     before = sh(GATEWAY, "stat -c %Y /etc/nftables.d/budgetgpu-inference.nft")
-    ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({"budgetgpu_cluster_subnet": ""}))
-    proc = subprocess.run(
-        [
-            str(ansible_playbook),
-            "-i",
-            os.environ["MOLECULE_INVENTORY_FILE"],
-            str(REPO / "playbooks/preflight.yml"),
-            "-e",
-            f"@{extra}",
-        ],
-        cwd=REPO,
-        env=dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode != 0, proc.stdout[-3000:]
-    # The result format folds long messages over lines: compare with the whitespace made single spaces.
-    said = " ".join(proc.stdout.split())
-    assert "FAIL all: service embed: gateway.allow: found an empty allow list" in said, proc.stdout[-3000:]
-    assert "FAIL all: service generate: gateway.allow: found an empty allow list" in said
+    done = playbook("preflight.yml", "-e", f"@{extra}")
+    assert done.returncode != 0, done.stdout[-3000:]
+    assert "FAIL all: service embed: gateway.allow: found an empty allow list" in done.stdout, done.stdout[-3000:]
+    assert "FAIL all: service generate: gateway.allow: found an empty allow list" in done.stdout
     assert sh(GATEWAY, "stat -c %Y /etc/nftables.d/budgetgpu-inference.nft") == before
