@@ -25,7 +25,6 @@ class FilterModule:
             "inference_gateway_host": as_filter(_inference.inference_gateway_host),
             "inference_check": as_filter(_inference.inference_check),
             "inference_worker_command": as_filter(_inference.inference_worker_command),
-            "inference_memory_need": as_filter(_inference.inference_memory_need),
             "inference_gateway_allow": as_filter(_inference.inference_gateway_allow),
             "inference_gateway_keys": as_filter(_inference.inference_gateway_keys),
             "inference_body_limits": as_filter(_inference.inference_body_limits),

@@ -35,8 +35,6 @@ class FilterModule:
 
     def filters(self) -> dict[str, Any]:
         return {
-            "nvidia_gpu_architecture": gpu_architecture_from_device_id,
-            "nvidia_gpu_generations": gpu_generations,
             "nvidia_module_flavor": nvidia_module_flavor,
             "nvidia_module_flavor_decision": module_flavor_decision,
             "nvidia_module_options_problems": module_options_problems,

@@ -9,7 +9,6 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import (
     cluster_check,
-    job_script_path,
     preflight_script_paths,
 )
 
@@ -21,5 +20,4 @@ class FilterModule:
         return {
             "cluster_check": cluster_check,
             "preflight_script_paths": preflight_script_paths,
-            "job_script_path": job_script_path,
         }

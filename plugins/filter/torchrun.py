@@ -22,7 +22,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (  #
     job_nproc,
 )
 
-torchrun_job_normalize = as_filter(jobs.torchrun_job_normalize)
 torchrun_jobs_normalize = as_filter(jobs.torchrun_jobs_normalize)
 torchrun_plan = as_filter(jobs.torchrun_plan)
 torchrun_argv = as_filter(jobs.torchrun_argv)
@@ -42,12 +41,10 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "torchrun_job_status": torchrun_job_status,
-            "torchrun_job_normalize": torchrun_job_normalize,
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,
             "torchrun_masters_unknown": torchrun_masters_unknown,
             "torchrun_recorded_masters": torchrun_recorded_masters,
-            "torchrun_unit_name": jobs.unit_name,
             "cluster_nodes": cluster_nodes,
             "systemd_quote": systemd_quote,
             "systemd_exec": systemd_exec,

@@ -271,10 +271,6 @@ def nccl_member_addresses(
     }
 
 
-def nccl_busbw_factor(world_size: int) -> float:
-    """Return nccl-tests' all-reduce bus bandwidth factor 2(n-1)/n."""
-    n = max(int(world_size), 1)
-    return 2.0 * (n - 1) / n if n > 1 else 1.0
 
 
 def nccl_busbw_floor(
@@ -590,11 +586,6 @@ def nccl_unreached_message(result: dict[str, Any], me: str, decision: dict[str, 
     )
 
 
-def nccl_ring(order: list[str]) -> list[dict[str, str]]:
-    """Return [{src, dst}] for each node and the next one (the links a ring all-reduce uses)."""
-    if len(order) < 2:
-        return []
-    return [{"src": src, "dst": dst} for src, dst in zip(order, order[1:] + order[:1], strict=True)]
 
 
 def nccl_line_rates(decisions: list[dict[str, Any]]) -> list[int | None]:

@@ -146,7 +146,8 @@ JOB_UNIT_PLAYBOOK = """\
         mode: "0644"
       vars:
         _torchrun_job: >-
-          {{ {'name': 'main', 'script': '/srv/train.py', 'nodes': 'all'} | budgetgpu.cluster.torchrun_job_normalize
+          {{ [{'name': 'main', 'script': '/srv/train.py', 'nodes': 'all'}]
+             | budgetgpu.cluster.torchrun_jobs_normalize | first
              | combine({'exec_start': '"/opt/budgetgpu/venv/bin/python3" "/opt/budgetgpu/bin/budgetgpu-torchrun"'}) }}
 """
 

@@ -422,11 +422,6 @@ class TestReport:
     }
     IPERF = [{"src": "node1", "dst": "node2", "gbs": 1.2}, {"src": "node2", "dst": "node3", "gbs": 1.0}]
 
-    def test_busbw_factor_is_nccl_tests(self) -> None:
-        assert nccl.nccl_busbw_factor(2) == 1.0
-        assert nccl.nccl_busbw_factor(4) == 1.5
-        assert nccl.nccl_busbw_factor(1) == 1.0
-
     def test_floor_from_line_rate_is_the_guides_half_gb_on_10gbe(self) -> None:
         floor = nccl.nccl_busbw_floor([10000, 10000], [1.1], 0.4, 0.1)
         assert floor["floor_gbs"] == 0.5
@@ -525,14 +520,6 @@ class TestReachability:
 
 
 class TestCommTestHelpers:
-    def test_ring_pairs_each_node_with_the_next(self) -> None:
-        assert nccl.nccl_ring(["a", "b", "c"]) == [
-            {"src": "a", "dst": "b"},
-            {"src": "b", "dst": "c"},
-            {"src": "c", "dst": "a"},
-        ]
-        assert nccl.nccl_ring(["a"]) == []
-
     def test_line_rates_ignore_virtual_links(self) -> None:
         decisions = [{"kind": "physical", "speed_mbps": 10000}, {"kind": "veth", "speed_mbps": 10000}]
         assert nccl.nccl_line_rates(decisions) == [10000, None]
