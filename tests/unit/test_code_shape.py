@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 import tomllib
@@ -71,6 +72,16 @@ def _filter_names() -> list[str]:
 def test_every_filter_has_a_doc_file() -> None:
     missing = [n for n in _filter_names() if not (ROOT / "plugins" / "filter" / f"{n}.yml").exists()]
     assert not missing, f"plugins/filter/<name>.yml missing for: {', '.join(missing)}"
+
+
+def test_every_filter_is_used() -> None:
+    # A filter nothing calls is code to keep in step for nobody: the roles, playbooks and other plugins
+    # must name it (the filter's own module and doc file do not count, nor the tests).
+    users = [p for d in ("roles", "playbooks", "plugins") for p in (ROOT / d).rglob("*") if p.is_file()]
+    users = [p for p in users if "filter" not in p.relative_to(ROOT).parts[:2] and p.suffix != ".pyc"]
+    text = "\n".join(p.read_text(errors="replace") for p in users) + (ROOT / "site.yml").read_text()
+    unused = [n for n in _filter_names() if not re.search(rf"\b{n}\b", text)]
+    assert not unused, f"filters nothing uses (remove them, or use them): {', '.join(unused)}"
 
 
 @pytest.mark.skipif(not (Path(sys.executable).parent / "ansible-doc").exists(), reason="ansible-doc not beside python")
