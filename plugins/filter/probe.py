@@ -1,8 +1,9 @@
-"""Safe mode's view of the node's work: which training job units count as running.
+"""Safe mode's view of the node's work: which training job units count as running, and which Slurm
+jobs run on the node.
 
-Pure functions of `systemctl list-units --all --no-legend --plain 'budgetgpu-job*'` output; no I/O.
-The probe role turns the answer into ``budgetgpu_jobs_active`` and ``budgetgpu_disruption_allowed``
-(CONTRIBUTING.md, "Safe mode").
+Pure functions of `systemctl list-units --all --no-legend --plain 'budgetgpu-job*'` output and of
+`scontrol listpids`' result; no I/O. The probe role turns the answers into ``budgetgpu_jobs_active``
+and ``budgetgpu_disruption_allowed`` (CONTRIBUTING.md, "Safe mode").
 """
 
 from __future__ import annotations
@@ -35,8 +36,25 @@ def probe_running_jobs(lines: list[str] | None) -> list[str]:
     return running
 
 
+def probe_slurm_jobs(result: dict[str, Any] | None) -> list[str]:
+    """Return "slurm job ID" for each Slurm job with a step on the node, from the result of
+    `scontrol listpids` (PID JOBID STEPID LOCALID GLOBALID), which reads the node's own slurmstepd
+    sockets: it answers while slurmd or slurmctld is down, as the jobs go on. rc 0 and no output: no
+    Slurm here. A failed listing counts as a running job: nothing may disrupt jobs nobody can see."""
+    result = result or {}
+    if result.get("rc") != 0:
+        said = (str(result.get("stderr") or result.get("msg") or "").strip().splitlines() or ["no answer"])[0]
+        return [f"slurm jobs unknown (scontrol listpids exited {result.get('rc')}: {said})"]
+    jobs = []
+    for line in str(result.get("stdout") or "").splitlines()[1:]:
+        words = line.split()
+        if len(words) >= 2 and words[1].isdigit() and f"slurm job {words[1]}" not in jobs:
+            jobs.append(f"slurm job {words[1]}")
+    return jobs
+
+
 class FilterModule:
     """budgetgpu probe filters."""
 
     def filters(self) -> dict[str, Any]:
-        return {"probe_running_jobs": probe_running_jobs}
+        return {"probe_running_jobs": probe_running_jobs, "probe_slurm_jobs": probe_slurm_jobs}

@@ -124,36 +124,3 @@ def pending_extend(pending: Any, role: str, entries: Any) -> list[str]:
         what, why = (entry, "") if isinstance(entry, str) else (entry[0], entry[1] if len(entry) > 1 else "")
         items = pending_add(items, role, what, why)
     return items
-
-
-# The reason a nightly run drains a node with Slurm jobs under (slurm_node_action's drain_first): the
-# health check (module_utils/slurm_health.py) resumes only its own "budgetgpu: GPU ..." drains.
-SLURM_NIGHTLY_REASON = "budgetgpu: nightly: changes wait for the node's jobs to end"
-
-
-def slurm_node_action(
-    needed: Any, slurm_jobs: Any, allowed: Any, drain_first: Any = False, node_reason: Any = ""
-) -> dict[str, str]:
-    """Whether a disruptive change (slurmd restart, driver change, reboot) may go ahead on a Slurm node,
-    with running Slurm jobs treated like running systemd jobs: action "none", "apply", "defer" (pending),
-    "drain" (opt-in: drain now, apply on a run that finds the node idle) or "apply_and_resume" (the node
-    is idle after the nightly run's own drain: apply, then resume it).
-
-    slurm_jobs is the number of Slurm jobs running on the node (None when slurmctld did not answer:
-    unknown counts as running); allowed is budgetgpu_disruption_allowed (systemd jobs, safe mode)."""
-    if not _flag(needed):
-        return {"action": "none", "reason": "nothing to apply"}
-    try:
-        jobs = int(slurm_jobs)
-    except (TypeError, ValueError):
-        return {"action": "defer", "reason": "Slurm's jobs on the node are unknown (slurmctld did not answer)"}
-    if jobs > 0:
-        if _flag(drain_first):
-            return {"action": "drain", "reason": f"{jobs} Slurm job(s) run: drained, applied once they end"}
-        return {"action": "defer", "reason": f"{jobs} Slurm job(s) run"}
-    verdict = may_disrupt(allowed)
-    if not verdict["allowed"]:
-        return {"action": "defer", "reason": verdict["reason"]}
-    if str(node_reason or "") == SLURM_NIGHTLY_REASON:
-        return {"action": "apply_and_resume", "reason": "the drained node's Slurm jobs have ended"}
-    return {"action": "apply", "reason": "no Slurm job runs; " + verdict["reason"]}

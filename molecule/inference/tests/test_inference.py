@@ -418,6 +418,26 @@ def test_a_worker_killed_mid_run_costs_no_request(gateway: str, addresses: dict[
     wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT}/health"))
 
 
+def test_a_hung_worker_costs_its_requests_a_timeout_not_an_error(gateway: str) -> None:
+    """A worker that hangs (stopped: its port still accepts, nothing answers) is not a dead one: the
+    requests NGINX sent it wait out proxy_read_timeout (the service's timeout_s + 30 s), count as the
+    worker's failures and are retried on the others. No request fails; the hung worker answers none."""
+    unit = "budgetgpu-infer-embed@1.service"
+    sh(GATEWAY, f"systemctl kill -s STOP {unit}")
+    try:
+        result = loadtest(
+            GATEWAY, f"http://{gateway}:{EMBED_GATEWAY}", "--key", KEY, "--requests", "120", "--concurrency", "8",
+            "--duration", "150",
+        )  # fmt: skip
+    finally:
+        sh(GATEWAY, f"systemctl kill -s CONT {unit}")
+    assert result["ok"] == 120 and result["errors"] == {}, result
+    assert f"{GATEWAY}-1" not in result["workers"] and len(result["workers"]) == 3, result["workers"]
+    timed_out = sh(GATEWAY, "grep -c 'upstream timed out' /var/log/nginx/budgetgpu-embed.error.log", check=False)
+    assert int(timed_out.strip() or 0) >= 1, timed_out
+    wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT + 1}/health"))
+
+
 # Runs on node2: SLOW connections that send half a request header and wait, BODIES that send a
 # whole header (with the key) and no body; holds them for argv[3] seconds, then counts what the
 # gateway did with them.

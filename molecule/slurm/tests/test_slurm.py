@@ -186,3 +186,44 @@ def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
     # The simulated GPUs have NVML's energy counter: both of the job's GPUs are counted, none other.
     assert len(record["joules"]) == 2 and all(j >= 0 for j in record["joules"].values())
     assert record["seconds"] >= 2
+
+
+PROBE_JOBS = """
+- name: What safe mode sees on the node
+  hosts: slurm-node1
+  gather_facts: false
+  become: true
+  tasks:
+    - name: Probe the node as the nightly run does
+      ansible.builtin.include_role:
+        name: budgetgpu.cluster.probe
+      vars:
+        budgetgpu_safe_mode: true
+    - name: Say what counts as running
+      ansible.builtin.debug:
+        msg: "jobs_active={{ budgetgpu_jobs_active | to_json }} disruption_allowed={{ budgetgpu_disruption_allowed }}"
+"""
+
+
+def test_a_running_slurm_job_holds_off_the_nightly_runs_disruptions(tmp_path, playbook) -> None:
+    """A Slurm job on the node is a running job to safe mode, as a job unit is: the nightly run's driver
+    change or reboot waits for it (plugins/plugin_utils/disruption.py)."""
+    job = (
+        host(CONTROLLER)
+        .check_output(
+            "cd /tmp && runuser -u nobody -- sbatch --parsable -w slurm-node1 --output=/dev/null --wrap 'sleep 300'"
+        )
+        .strip()
+    )
+    try:
+        node = host("slurm-node1")
+        deadline = time.monotonic() + 60
+        while f" {job} " not in node.check_output("scontrol listpids"):
+            assert time.monotonic() < deadline, f"job {job} has no step on slurm-node1"
+            time.sleep(1)
+        (tmp_path / "probe-jobs.yml").write_text(PROBE_JOBS)
+        done = playbook(str(tmp_path / "probe-jobs.yml"))
+        assert done.returncode == 0, done.stdout[-2000:]
+        assert f'jobs_active=["slurm job {job}"] disruption_allowed=False' in done.stdout, done.stdout[-2000:]
+    finally:
+        host(CONTROLLER).run(f"scancel {job}")

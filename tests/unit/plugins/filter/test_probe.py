@@ -44,3 +44,29 @@ def test_states_that_do_not(active: str, sub: str) -> None:
 def test_nothing_listed_is_no_job() -> None:
     assert probe.probe_running_jobs([]) == []
     assert probe.probe_running_jobs(None) == []
+
+
+# `scontrol listpids` on a node of Slurm 22.05 (Debian 12): job 42's batch step and its first srun
+# step, and job 43's batch step.
+LISTPIDS = """PID      JOBID    STEPID   LOCALID GLOBALID
+4180     42       batch    0       0
+4203     42       0        0       0
+4220     43       batch    0       0
+"""
+
+
+def test_each_slurm_job_on_the_node_counts_once() -> None:
+    result = {"rc": 0, "stdout": LISTPIDS, "stderr": ""}
+    assert probe.probe_slurm_jobs(result) == ["slurm job 42", "slurm job 43"]
+
+
+def test_no_slurm_and_no_slurm_job_are_no_job() -> None:
+    assert probe.probe_slurm_jobs({"rc": 0, "stdout": "", "stderr": ""}) == []
+    assert probe.probe_slurm_jobs({"rc": 0, "stdout": LISTPIDS.splitlines()[0], "stderr": ""}) == []
+
+
+def test_a_failed_listing_counts_as_a_job_nobody_may_disrupt() -> None:
+    result = {"rc": 1, "stdout": "", "stderr": "slurm_load_slurmd_status: Connection refused\nmore\n"}
+    assert probe.probe_slurm_jobs(result) == [
+        "slurm jobs unknown (scontrol listpids exited 1: slurm_load_slurmd_status: Connection refused)"
+    ]

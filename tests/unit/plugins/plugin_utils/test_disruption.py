@@ -6,7 +6,6 @@ import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.disruption import (
     REASON_JOB_RUNS,
     REASON_NO_FACT,
-    SLURM_NIGHTLY_REASON,
     disruption_allowed,
     job_action,
     may_disrupt,
@@ -14,7 +13,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.disruption impor
     pending_extend,
     reboot_decision,
     restart_decision,
-    slurm_node_action,
 )
 
 
@@ -99,32 +97,3 @@ def test_pending_add_writes_one_format_once():
 def test_pending_extend_adds_each_entry_in_the_same_format():
     items = pending_extend(["nvidia_driver: reboot pending"], "torchrun", [["restart pending: job a", "why a"], "x"])
     assert items == ["nvidia_driver: reboot pending", "torchrun: restart pending: job a (why a)", "torchrun: x"]
-
-
-# --- Slurm jobs count as running jobs (slurm_node_action) --------------------------------------------
-
-
-def test_slurm_nothing_to_apply_is_none():
-    assert slurm_node_action(False, 3, True)["action"] == "none"
-
-
-def test_slurm_jobs_running_defer_the_change_or_drain_first_when_asked():
-    assert slurm_node_action(True, 2, True) == {"action": "defer", "reason": "2 Slurm job(s) run"}
-    assert slurm_node_action(True, 2, True, drain_first=True)["action"] == "drain"
-
-
-def test_slurm_jobs_unknown_count_as_running():
-    assert slurm_node_action(True, None, True)["action"] == "defer"
-    assert slurm_node_action(True, "?", True, drain_first=True)["action"] == "defer"
-
-
-def test_slurm_idle_node_applies_unless_a_systemd_job_or_no_fact_forbids():
-    assert slurm_node_action(True, 0, True)["action"] == "apply"
-    assert slurm_node_action(True, "0", False)["action"] == "defer"
-    assert slurm_node_action(True, 0, None)["action"] == "defer"
-
-
-def test_slurm_node_the_nightly_run_drained_is_resumed_after_the_change():
-    assert slurm_node_action(True, 0, True, True, SLURM_NIGHTLY_REASON)["action"] == "apply_and_resume"
-    # A person's drain is theirs: the change applies, the node stays drained.
-    assert slurm_node_action(True, 0, True, True, "disk replacement")["action"] == "apply"
