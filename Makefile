@@ -95,12 +95,19 @@ lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every mo
 	echo "tests/sanity/run-ansible-test sanity --python 3.11"; cat "$$sanity_log"; rm -f "$$sanity_log"; \
 	[ $$lint -eq 0 ] && [ $$sanity_rc -eq 0 ]
 
+# The unit tests ansible-test runs in its own contexts (modules and module_utils: nothing of the
+# controller importable).
+UNIT_ISOLATED := tests/unit/plugins/modules/ tests/unit/plugins/module_utils/
 unit: venv wheelhouse ## Unit tests (ansible-test units, pytest): modules, module_utils, filters, templates
 	@# The training script's tests run a real 2-process gloo job: torch's CPU build, from the wheelhouse.
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet --no-index --find-links .cache/wheelhouse torch==2.13.0
-	@# The whole suite, once: ansible-test runs it as Galaxy users would (module tests with only
-	@# ansible's module_utils importable), 2 workers. Plain `pytest` runs the same tests.
-	tests/sanity/run-ansible-test units --python 3.11 --color no
+	@# The module and module_utils tests through ansible-test, as Galaxy users would run them (only
+	@# ansible's module_utils importable); the rest (filters, callbacks, templates, scripts, trainer,
+	@# worker) through pytest directly: ansible-test forks every test, so each module-scoped fixture
+	@# (a torchrun of every DDP option, a loaded model, a built tarball) ran again for each test, about
+	@# 40% of the suite's time (docs/benchmarks/ci.md). 2 workers each. Plain `pytest` runs everything.
+	tests/sanity/run-ansible-test units --python 3.11 --color no $(UNIT_ISOLATED)
+	$(BIN)/python -m pytest -n 2 -p no:cacheprovider $(addprefix --ignore=,$(UNIT_ISOLATED)) tests/unit
 
 molecule: image $(if $(filter provision_trixie,$(or $(SCENARIO),$(SCENARIOS))),image-trixie) wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
 	@scripts/run-molecule $(or $(SCENARIO),$(SCENARIOS))

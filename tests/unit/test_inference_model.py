@@ -652,7 +652,6 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_gateway_host",
         "inference_check",
         "inference_worker_command",
-        "inference_memory_need",
         "inference_gateway_allow",
         "inference_gateway_keys",
         "inference_body_limits",
