@@ -47,7 +47,12 @@ UNIT_PREFIX = "budgetgpu-infer-"
 MODEL_ROOT = "/var/lib/budgetgpu/models"
 CONFIG_DIR = "/etc/budgetgpu/inference"
 # What an engine=command string may name; {port} is required (each worker listens on its own).
-PLACEHOLDERS = ("model", "port", "host", "name", "max_input_tokens", "max_new_tokens", "dtype", "gpu_uuid", "slot")
+# {gpu_uuids}: the worker's GPUs, comma-separated; {gpus}: how many (vLLM's --tensor-parallel-size).
+PLACEHOLDERS = ("model", "port", "host", "name", "max_input_tokens", "max_new_tokens", "dtype", "gpu_uuid", "gpu_uuids",
+                "gpus", "slot")  # fmt: skip
+# A worker's GPUs, within one node: a model split over 1, 2 or 4 cards (tensor parallelism and
+# device_map both want the layers or heads to divide evenly).
+GPUS_PER_WORKER = (1, 2, 4)
 
 # The built-in default of every optional key: the one place service defaults live (the inference
 # role's argument spec repeats them for ansible-doc; a unit test holds the two equal). inference_user
@@ -58,6 +63,7 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "task": None,
     "nodes": "inference_nodes",
     "gpus": "auto",
+    "gpus_per_worker": 1,
     "dtype": "float16",
     "quantization": "none",
     "max_new_tokens": 256,
@@ -90,6 +96,7 @@ GATEWAY_KEYS = tuple(SERVICE_DEFAULTS["gateway"])
 DERIVED_KEYS = frozenset({"unit_template", "model_dir", "config_file"})
 GATEWAY_INT_FIELDS = {"rate_per_s": 1, "conns_per_client": 1}
 INT_FIELDS = {  # field -> smallest value
+    "gpus_per_worker": 1,
     "max_new_tokens": 1,
     "max_input_tokens": 1,
     "concurrency": 1,
@@ -212,6 +219,9 @@ def _bad_numbers(service: Mapping[str, Any]) -> list[str]:
     port = service.get("port")
     if _is_int(port) and port > 65535:
         bad.append(f"port: found {port!r}, expected a TCP port from 1 to 65535")
+    per_worker = service.get("gpus_per_worker")
+    if _is_int(per_worker) and per_worker not in GPUS_PER_WORKER:
+        bad.append(f"gpus_per_worker: found {per_worker!r}, expected one of {', '.join(map(str, GPUS_PER_WORKER))}")
     return bad
 
 
@@ -467,11 +477,18 @@ def _placement(
     wanted = _wanted_gpus(service, host)
     if wanted is None:
         return [], [f"{where}: gpus: found no entry for {host}, expected auto or a list of GPU indices for every node"]
-    claimed = training_gpus(jobs, hostvars, host)
+    claimed, per_worker = training_gpus(jobs, hostvars, host), _per_worker(service)
     if wanted == "auto":
-        chosen = [g for g in gpus if g.get("index") not in claimed]
+        free = [g for g in gpus if g.get("index") not in claimed]
+        # Whole workers only: the GPUs past the last full group stay free (for training or Slurm).
+        chosen = free[: len(free) - len(free) % per_worker]
         if chosen:
             return chosen, []
+        if free:
+            return [], [
+                f"{where}: gpus_per_worker: found {per_worker}, and {len(free)} free GPU(s) on {host} "
+                f"({', '.join(str(g.get('index')) for g in free)}), expected at most {len(free)}"
+            ]
         if not gpus:
             return [], [f"{where}: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"]
         taken = ", ".join(f"GPU {i} ({job})" for i, job in sorted(claimed.items()))
@@ -489,33 +506,49 @@ def _placement(
             )
         else:
             chosen.append(by_index[index])
+    if len(wanted) % per_worker:
+        problems.append(
+            f"{where}: gpus: found {len(wanted)} GPU(s) {list(wanted)}, expected a multiple of gpus_per_worker "
+            f"{per_worker} (each worker holds {per_worker})"
+        )
     return chosen, problems
+
+
+def _per_worker(service: Mapping[str, Any]) -> int:
+    value = _as_int(service.get("gpus_per_worker"))
+    return value if _is_int(value) and value in GPUS_PER_WORKER else 1
 
 
 def _workers(
     service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpus: list[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
     address, name, port = node_address(hostvars, host), str(service.get("name")), service.get("port")
+    per_worker = _per_worker(service)
+    groups = [gpus[i : i + per_worker] for i in range(0, len(gpus) - len(gpus) % per_worker, per_worker)]
     return [
         {
             "service": name,
             "host": host,
             "slot": slot,
-            "gpu_index": gpu.get("index"),
-            "gpu_uuid": gpu.get("uuid"),
+            # The first GPU names the worker (metrics' labels, the unit's comment); all of them pin it.
+            "gpu_index": group[0].get("index"),
+            "gpu_uuid": group[0].get("uuid"),
+            "gpu_indices": [gpu.get("index") for gpu in group],
+            "gpu_uuids": [gpu.get("uuid") for gpu in group],
             "port": port + slot,
             "address": address,
             "unit": unit_name(name, slot),
         }
-        for slot, gpu in enumerate(gpus)
+        for slot, group in enumerate(groups)
     ]
 
 
 def inference_workers(
     service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, jobs: list[Mapping[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
-    """Return the workers of the service on host, one per GPU ([] where host is not a node of it):
-    {service, host, slot, gpu_index, gpu_uuid, port, address, unit}. Slot i listens on port + i."""
+    """Return the workers of the service on host, one per gpus_per_worker GPUs ([] where host is not a
+    node of it): {service, host, slot, gpu_index, gpu_uuid (its first GPU's), gpu_indices, gpu_uuids,
+    port, address, unit}. Slot i listens on port + i."""
     if not serves_on(service, hostvars, host):
         return []
     gpus, problems = _placement(service, hostvars, host, jobs)
@@ -737,11 +770,12 @@ def _gib(value: float) -> str:
 
 
 def inference_memory_need(service: Mapping[str, Any], model_config: Mapping[str, Any]) -> dict[str, Any]:
-    """Return what one worker of the service holds on its GPU, in bytes: the weights (parameters x
+    """Return what one worker of the service holds on its GPUs, in bytes: the weights (parameters x
     bytes per parameter of the dtype, or of the quantisation), for generation the KV cache
     (2 x layers x kv_heads x head_dim x (max_input_tokens + max_new_tokens) x concurrency x bytes of
-    the dtype, never below 2: quantised weights compute in float16), and the CUDA context; `text`
-    says the arithmetic. Activations are not counted: the figure is the least a worker needs."""
+    the dtype, never below 2: quantised weights compute in float16), split evenly over its
+    gpus_per_worker GPUs, and one CUDA context on each; `per_gpu_bytes` is what each GPU must hold,
+    `text` says the arithmetic. Activations are not counted: the figure is the least a worker needs."""
     shape = model_shape(model_config)
     params = model_parameters(shape)
     quant, dtype = service.get("quantization") or "none", service.get("dtype") or "float16"
@@ -752,22 +786,30 @@ def inference_memory_need(service: Mapping[str, Any], model_config: Mapping[str,
         tokens = int(service.get("max_input_tokens") or 0) + int(service.get("max_new_tokens") or 0)
         per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * max(DTYPE_BYTES.get(dtype, 2.0), 2)
         kv_cache = int(per_token * tokens * int(service.get("concurrency") or 1))
-    total = weights + kv_cache + CUDA_CONTEXT_BYTES
+    gpus = _per_worker(service)
+    per_gpu = (weights + kv_cache) // gpus + CUDA_CONTEXT_BYTES
     unit = quant if quant in QUANT_BYTES else dtype
-    text = f"{params / 1e9:.1f}e9 params x {per_param:g} B ({unit}) = {_gib(weights)}"
-    if params < 1e9:
-        text = f"{params / 1e6:.1f}e6 params x {per_param:g} B ({unit}) = {_gib(weights)}"
+    scale = f"{params / 1e9:.1f}e9" if params >= 1e9 else f"{params / 1e6:.1f}e6"
+    text = f"{scale} params x {per_param:g} B ({unit}) = {_gib(weights)}"
     if kv_cache:
         text += f" + KV cache {_gib(kv_cache)}"
-    text += f" + {_gib(CUDA_CONTEXT_BYTES)} CUDA context"
+    if gpus > 1:
+        share = _gib((weights + kv_cache) // gpus)
+        text += f", over {gpus} GPUs: {share} each + {_gib(CUDA_CONTEXT_BYTES)} CUDA context"
+        summary = f"{_gib(per_gpu)} on each of {gpus} GPUs"
+    else:
+        text += f" + {_gib(CUDA_CONTEXT_BYTES)} CUDA context"
+        summary = _gib(per_gpu)
     return {
         "params": params,
         "bytes_per_param": per_param,
         "weights_bytes": weights,
         "kv_cache_bytes": kv_cache,
-        "overhead_bytes": CUDA_CONTEXT_BYTES,
-        "total_bytes": total,
-        "text": f"{_gib(total)} ({text})",
+        "overhead_bytes": CUDA_CONTEXT_BYTES * gpus,
+        "gpus": gpus,
+        "per_gpu_bytes": per_gpu,
+        "total_bytes": weights + kv_cache + CUDA_CONTEXT_BYTES * gpus,
+        "text": f"{summary} ({text})",
     }
 
 
@@ -788,8 +830,9 @@ def _gpu_problems(
     name, quant, problems = service.get("name"), service.get("quantization"), []
     label = f"{_gpu_label(host, gpu)}: service {name}"
     memory = gpu.get("memory_total_mib")
-    if isinstance(need, Mapping) and _is_int(memory) and need["total_bytes"] > memory * 2**20:
-        problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}")
+    if isinstance(need, Mapping) and _is_int(memory) and need["per_gpu_bytes"] > memory * 2**20:
+        hint = "" if need["gpus"] >= max(GPUS_PER_WORKER) else " (or more gpus_per_worker)"
+        problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}{hint}")
     if quant not in QUANT_BYTES:
         return problems
     if str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on"):
@@ -983,6 +1026,8 @@ def inference_worker_command(
             "max_new_tokens": service.get("max_new_tokens"),
             "dtype": service.get("dtype"),
             "gpu_uuid": worker.get("gpu_uuid"),
+            "gpu_uuids": ",".join(str(u) for u in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]),
+            "gpus": len(worker.get("gpu_uuids") or [worker.get("gpu_uuid")]),
             "slot": worker.get("slot"),
         }
         problems = _bad_engine(service)

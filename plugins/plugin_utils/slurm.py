@@ -94,7 +94,8 @@ def held_gpus(
         if service.get("state") == "absent":
             continue
         for worker in inference_workers(service, hostvars, host, jobs):
-            held.setdefault(int(worker["gpu_index"]), f"inference worker {worker['unit']}")
+            for index in worker["gpu_indices"]:
+                held.setdefault(int(index), f"inference worker {worker['unit']}")
     return held
 
 

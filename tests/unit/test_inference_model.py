@@ -252,6 +252,8 @@ def test_one_worker_per_gpu_pinned_by_uuid_on_its_own_port():
             "slot": 0,
             "gpu_index": 1,
             "gpu_uuid": "GPU-30900001-5a1e-4c0d-9b7e-000000000001",
+            "gpu_indices": [1],
+            "gpu_uuids": ["GPU-30900001-5a1e-4c0d-9b7e-000000000001"],
             "port": 8100,
             "address": "10.0.0.11",
             "unit": "budgetgpu-infer-embed@0.service",
@@ -262,6 +264,8 @@ def test_one_worker_per_gpu_pinned_by_uuid_on_its_own_port():
             "slot": 1,
             "gpu_index": 3,
             "gpu_uuid": "GPU-30900003-5a1e-4c0d-9b7e-000000000003",
+            "gpu_indices": [3],
+            "gpu_uuids": ["GPU-30900003-5a1e-4c0d-9b7e-000000000003"],
             "port": 8101,
             "address": "10.0.0.11",
             "unit": "budgetgpu-infer-embed@1.service",
@@ -426,10 +430,53 @@ def test_the_guides_70b_in_4bit_on_a_24_gb_3090_is_refused_with_the_arithmetic()
     bad = check(service, configs={"chat": LLAMA_70B})
     assert bad == [
         f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 33.3 GiB (69.0e9 params x 0.5 B (4bit) = "
-        "32.1 GiB + KV cache 720 MiB + 500 MiB CUDA context); expected at most 24.0 GiB"
+        "32.1 GiB + KV cache 720 MiB + 500 MiB CUDA context); expected at most 24.0 GiB (or more gpus_per_worker)"
     ]
     # A 7B model in 4 bits fits the same card.
     assert check(service, configs={"chat": LLAMA_7B}) == []
+
+
+def test_the_guides_70b_in_4bit_for_8_requests_fits_four_3090s_in_one_worker():
+    # The guide's inference example: about 35 GB of weights and 6 GB of KV cache for 8 concurrent
+    # requests at the default context (2048 + 256 tokens), over 4 x 24 GB.
+    four = services(chat(quantization="4bit", concurrency=8, gpus_per_worker=4, nodes=["node1"]))
+    assert check(four, configs={"chat": LLAMA_70B}) == []
+    need = m.inference_memory_need(four[0], LLAMA_70B)
+    assert 34e9 < need["weights_bytes"] < 36e9 and 5.5e9 < need["kv_cache_bytes"] < 6.5e9
+    assert need["per_gpu_bytes"] == (need["weights_bytes"] + need["kv_cache_bytes"]) // 4 + 500 * 2**20
+    assert need["total_bytes"] == need["weights_bytes"] + need["kv_cache_bytes"] + 4 * 500 * 2**20
+    assert need["text"] == (
+        "9.9 GiB on each of 4 GPUs (69.0e9 params x 0.5 B (4bit) = 32.1 GiB + KV cache 5.6 GiB, "
+        "over 4 GPUs: 9.4 GiB each + 500 MiB CUDA context)"
+    )
+    workers = m.inference_workers(four[0], hostvars(), "node1", [])
+    assert [(w["slot"], w["gpu_indices"], w["port"]) for w in workers] == [(0, [0, 1, 2, 3], 8100)]
+    # The same service on one card: refused, with the numbers.
+    one = services(chat(quantization="4bit", concurrency=8, gpus=[0], nodes=["node1"]))
+    assert check(one, configs={"chat": LLAMA_70B}) == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 38.2 GiB (69.0e9 params x 0.5 B (4bit) = "
+        "32.1 GiB + KV cache 5.6 GiB + 500 MiB CUDA context); expected at most 24.0 GiB (or more gpus_per_worker)"
+    ]
+
+
+def test_workers_of_two_gpus_take_whole_pairs_and_a_list_must_fill_them():
+    pairs = m.inference_workers(services(embed(gpus_per_worker=2))[0], hostvars(), "node1", [])
+    assert [w["gpu_indices"] for w in pairs] == [[0, 1], [2, 3]]
+    assert [w["gpu_uuid"] for w in pairs] == [w["gpu_uuids"][0] for w in pairs]
+    assert check(services(embed(gpus=[0, 1, 2], gpus_per_worker=2, nodes=["node1"]))) == [
+        "node1: service embed: gpus: found 3 GPU(s) [0, 1, 2], expected a multiple of gpus_per_worker 2 "
+        "(each worker holds 2)"
+    ]
+    assert "gpus_per_worker: found 3, expected one of 1, 2, 4" in refused(embed(gpus_per_worker=3))
+
+
+def test_a_command_engine_gets_the_workers_gpus_for_tensor_parallelism():
+    command = "vllm serve {model} --port {port} --tensor-parallel-size {gpus} --x {gpu_uuids}"
+    service = services(embed(engine="command", gpus_per_worker=2, command=command))[0]
+    worker = m.inference_workers(service, hostvars(), "node1", [])[1]
+    argv = m.inference_worker_command(service, worker)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[-1] == ",".join(worker["gpu_uuids"]) and len(worker["gpu_uuids"]) == 2
 
 
 def test_the_memory_need_adds_weights_kv_cache_and_cuda_context():

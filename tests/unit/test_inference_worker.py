@@ -383,6 +383,17 @@ def test_quantisation_without_cuda_is_refused(w, tiny_lm_dir):
     w.check_device(config, cuda=True)
 
 
+def test_a_worker_of_several_gpus_splits_the_model_and_needs_accelerate(w, tiny_lm_dir, monkeypatch):
+    config = _config(w, tiny_lm_dir, "generation")
+    assert w.placement(config, 0) == {} and w.placement(config, 1) == {}
+    assert w.placement(_config(w, tiny_lm_dir, "generation", quantization="4bit"), 1) == {"device_map": {"": 0}}
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
+    with pytest.raises(w.ConfigError, match="gives this worker 2 GPUs and the venv has no accelerate"):
+        w.placement(config, 2)
+    monkeypatch.setitem(sys.modules, "accelerate", type(sys)("accelerate"))
+    assert w.placement(config, 4) == {"device_map": "auto"}
+
+
 def _run_worker(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60, check=False)
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""budgetgpu's built-in inference worker: one process per GPU with an OpenAI-compatible API.
+"""budgetgpu's built-in inference worker: one process per GPU (or per gpus_per_worker GPUs) with an
+OpenAI-compatible API.
 
     python inference_worker.py --config FILE.json --port N --host ADDR --worker-id ID
 
 The config (JSON) holds name, model_dir, task (embeddings | generation), dtype, quantization,
 max_new_tokens, max_input_tokens, concurrency, queue and timeout_s. The model loads once, from
-the local directory only, onto cuda:0 (the unit pins the GPU with CUDA_VISIBLE_DEVICES) or the
-CPU on a simulated node. At most `concurrency` requests run and `queue` wait; beyond that a
+the local directory only, onto cuda:0 (the unit pins the GPU with CUDA_VISIBLE_DEVICES), split in
+layer order over every GPU the unit gives it (device_map, through accelerate), or onto the CPU on a
+simulated node. At most `concurrency` requests run and `queue` wait; beyond that a
 request gets 503 with Retry-After at once. A request past timeout_s gets 504 and its work stops.
 
 Inputs are bounded before they cost anything: the body per endpoint (max_body_bytes, 413 before
@@ -171,6 +173,24 @@ def check_device(config: WorkerConfig, cuda: bool) -> None:
         )
 
 
+def placement(config: WorkerConfig, gpus: int) -> dict[str, Any]:
+    """from_pretrained's placement for the GPUs the unit gives the worker (CUDA_VISIBLE_DEVICES): none
+    on the CPU (moved after the load), one GPU (quantised weights load onto it), or the model split over
+    all of them in layer order (device_map, which needs accelerate: gpus_per_worker 2 or 4)."""
+    if gpus > 1:
+        try:
+            import accelerate  # noqa: F401  (transformers imports it for device_map)
+        except ImportError:
+            raise ConfigError(
+                f"{config.name}: the unit gives this worker {gpus} GPUs and the venv has no accelerate, which "
+                "splitting a model needs: run playbooks/inference.yml (it installs requirements-split.txt)"
+            ) from None
+        return {"device_map": "auto"}
+    if config.quantization != "none":
+        return {"device_map": {"": 0}}
+    return {}
+
+
 # ---------------------------------------------------------------- the model
 
 
@@ -331,13 +351,14 @@ def load_engine(config: WorkerConfig) -> Engine:
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     check_device(config, device != "cpu")
     dtype = _torch_dtype(config, device)
-    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    where = placement(config, torch.cuda.device_count() if device != "cpu" else 0)
+    kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True, **where}
     if config.quantization != "none":
-        kwargs.update(quantization_config=_quantization_config(config, dtype), device_map={"": 0})
+        kwargs["quantization_config"] = _quantization_config(config, dtype)
     tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
     model_class = AutoModel if config.task == "embeddings" else AutoModelForCausalLM
     model = model_class.from_pretrained(config.model_dir, **kwargs)
-    if config.quantization == "none":
+    if not where:
         model = model.to(device)
     model.eval()
     engine = Engine(config, tokenizer, model, device)
@@ -366,10 +387,13 @@ def _load_line(engine: Engine, dtype) -> str:
         engine.memory_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         note = "" if config.dtype == "float32" else f" (asked {config.dtype}: CPU runs float32)"
         return f"{what} on CPU, {engine.memory_bytes / 2**20:.1f} MiB of parameters, float32{note}"
-    engine.memory_bytes = torch.cuda.memory_allocated(0)
+    gpus = torch.cuda.device_count()
+    engine.memory_bytes = sum(torch.cuda.memory_allocated(i) for i in range(gpus))
     quant = "" if config.quantization == "none" else f", {config.quantization} quantised"
-    name = torch.cuda.get_device_name(0)
-    return f"{what} on cuda:0 ({name}), {engine.memory_bytes / 2**20:.1f} MiB of GPU memory allocated, {dtype}{quant}"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus))
+    devices = "cuda:0" if gpus == 1 else f"cuda:0-{gpus - 1}"
+    allocated = f"{engine.memory_bytes / 2**20:.1f} MiB of GPU memory allocated"
+    return f"{what} on {devices} ({names}), {allocated}, {dtype}{quant}"
 
 
 # ---------------------------------------------------------------- admission and metrics
