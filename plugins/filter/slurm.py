@@ -25,4 +25,5 @@ class FilterModule:
             "slurm_cgroup_settings": as_filter(_slurm.cgroup_settings),
             "slurm_mem_per_cpu": as_filter(_slurm.mem_per_cpu),
             "slurm_gres_problems": as_filter(_slurm.gres_problems),
+            "slurm_job_costs": as_filter(_slurm.job_costs),
         }

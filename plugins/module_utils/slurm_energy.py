@@ -5,6 +5,8 @@ Plain Python, stdlib only: installed on the nodes beside budgetgpu-slurm-energy.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from typing import Any
 
@@ -48,3 +50,41 @@ def job_energy(start: dict[str, Any], end_counters: dict[str, float], end_time: 
         "joules": joules,
         "kwh": round(sum(joules.values()) / 3.6e6, 6),
     }
+
+
+# Where the Prolog and Epilog keep each job's record (root's, 0755; each record 0644).
+JOBS_DIR = "/var/lib/budgetgpu/slurm-jobs"
+# A record is a few hundred bytes; anything larger is not the epilog's.
+MAX_RECORD_BYTES = 64 * 1024
+_RECORD_NAME = re.compile(r"^\d+\.json$")
+
+
+def read_records(directory: str, since: float) -> list[dict[str, Any]]:
+    """Return the end records (with kwh) of the jobs that ended at or after since, from the epilog's
+    directory: root's, but read as if it were not (no links followed, each file bounded)."""
+    records = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in (n for n in names if _RECORD_NAME.match(n)):
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as handle:
+            data = handle.read(MAX_RECORD_BYTES + 1)
+        try:
+            record = json.loads(data) if len(data) <= MAX_RECORD_BYTES else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "kwh" in record and float(record.get("end") or 0) >= since:
+            records.append(record)
+    return records
+
+
+if __name__ == "__main__":
+    # playbooks/slurm_report.yml runs this file on each Slurm node: argv SINCE; prints the records.
+    import sys
+
+    print(json.dumps(read_records(JOBS_DIR, float(sys.argv[1]))))

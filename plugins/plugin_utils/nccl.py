@@ -271,8 +271,6 @@ def nccl_member_addresses(
     }
 
 
-
-
 def nccl_busbw_floor(
     link_speeds_mbps: list[Any], iperf_gbs: list[float], fraction: float, virtual_fraction: float, explicit: Any = None
 ) -> dict[str, Any]:
@@ -584,8 +582,6 @@ def nccl_unreached_message(result: dict[str, Any], me: str, decision: dict[str, 
         f"{me} (NCCL on {decision.get('interface')} {decision.get('address')}) cannot reach {result['name']} at "
         f"{endpoint(result['address'], result['port'])}: {result['error']}"
     )
-
-
 
 
 def nccl_line_rates(decisions: list[dict[str, Any]]) -> list[int | None]:

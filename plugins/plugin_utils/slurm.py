@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
     inference_workers,
@@ -284,3 +285,36 @@ def cgroup_settings(filesystem: Any, controllers: list[str] | None) -> dict[str,
     if not proctrack:
         missing.append(f"proctrack/linuxproc: the kernel's cgroup {version} has no freezer controller")
     return {"plugin": f"cgroup/{version}", "constrain": constrain, "proctrack_cgroup": proctrack, "missing": missing}
+
+
+def job_costs(records_by_host: Mapping[str, Any], price_per_kwh: Any = None, currency: Any = None) -> dict[str, Any]:
+    """Return what each Slurm job and each user cost in GPU energy, from the epilog's records of every
+    node ({host: [record]}, module_utils/slurm_energy.py): a job that ran on several nodes has a record
+    on each, summed. {jobs: [{job, user, nodes, gpus, kwh, cost}], users: [{user, jobs, kwh, cost}],
+    lines: the report's text}, the most costly first."""
+    price = energy.DEFAULT_PRICE_PER_KWH if price_per_kwh is None else float(price_per_kwh)
+    currency = currency or energy.DEFAULT_CURRENCY
+    jobs: dict[str, dict[str, Any]] = {}
+    for host, records in sorted((records_by_host or {}).items()):
+        for record in records if isinstance(records, list) else []:
+            if not isinstance(record, Mapping) or not isinstance(record.get("kwh"), int | float):
+                continue
+            name = str(record.get("job"))
+            empty = {"job": name, "user": str(record.get("user")), "nodes": [], "gpus": 0, "kwh": 0.0}
+            job = jobs.setdefault(name, empty)
+            job["nodes"].append(host)
+            job["gpus"] += len(record.get("joules") or {})
+            job["kwh"] += float(record["kwh"])
+    users: dict[str, dict[str, Any]] = {}
+    for job in jobs.values():
+        job["cost"] = energy.cost(job["kwh"], price)
+        user = users.setdefault(job["user"], {"user": job["user"], "jobs": 0, "kwh": 0.0, "cost": 0.0})
+        user["jobs"], user["kwh"], user["cost"] = user["jobs"] + 1, user["kwh"] + job["kwh"], user["cost"] + job["cost"]
+    by_cost = sorted(jobs.values(), key=lambda j: (-j["kwh"], j["job"]))
+    per_user = sorted(users.values(), key=lambda u: (-u["kwh"], u["user"]))
+    money = lambda amount: energy.format_money(amount, currency)  # noqa: E731
+    lines = [f"Slurm jobs: {len(by_cost)}, GPU energy at {money(price)}/kWh"]
+    lines += [f"  user {u['user']}: {u['jobs']} job(s), {u['kwh']:.3f} kWh, {money(u['cost'])}" for u in per_user]
+    lines += [f"  job {j['job']} ({j['user']}, {j['gpus']} GPU(s) on {', '.join(j['nodes'])}): "
+              f"{j['kwh']:.3f} kWh, {money(j['cost'])}" for j in by_cost]  # fmt: skip
+    return {"jobs": by_cost, "users": per_user, "lines": lines}

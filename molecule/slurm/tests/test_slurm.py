@@ -227,3 +227,23 @@ def test_a_running_slurm_job_holds_off_the_nightly_runs_disruptions(tmp_path, pl
         assert f'jobs_active=["slurm job {job}"] disruption_allowed=False' in done.stdout, done.stdout[-2000:]
     finally:
         host(CONTROLLER).run(f"scancel {job}")
+
+
+def test_the_report_sums_a_jobs_gpu_energy_over_its_nodes_and_per_user(playbook) -> None:
+    job = (
+        host(CONTROLLER)
+        .check_output(
+            "cd /tmp && runuser -u nobody -- sbatch --parsable --wait --nodes=2 --gres=gpu:rtx3090:1 --wrap 'sleep 2'"
+        )
+        .strip()
+    )
+    for name in NODES:  # sbatch --wait may return while an epilog still runs
+        record = host(name).file(f"/var/lib/budgetgpu/slurm-jobs/{job}.json")
+        deadline = time.monotonic() + 60
+        while "kwh" not in json.loads(record.content_string or "{}"):
+            assert time.monotonic() < deadline, f"{name}: no end record of job {job}"
+            time.sleep(1)
+    done = playbook("slurm_report.yml")
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert f"job {job} (nobody, 2 GPU(s) on slurm-node1, slurm-node2): " in done.stdout, done.stdout[-2000:]
+    assert "Slurm jobs: " in done.stdout and "user nobody: " in done.stdout and "not read" not in done.stdout

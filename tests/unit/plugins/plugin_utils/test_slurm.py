@@ -6,6 +6,7 @@ what cgroup.conf may constrain."""
 from __future__ import annotations
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import slurm
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm import (
     cgroup_settings,
@@ -200,3 +201,34 @@ def test_cgroup_v2_needs_cpuset_and_memory_and_filters_devices_without_a_control
     assert settings["constrain"] == {"ConstrainCores": False, "ConstrainRAMSpace": True, "ConstrainDevices": True}
     assert settings["proctrack_cgroup"] is True
     assert settings["missing"] == ["ConstrainCores=no: the kernel's cgroup v2 has no cpuset controller"]
+
+
+# --- cost per job and per user (the epilog's records) -----------------------------------------------
+
+
+def _record(job: str, user: str, kwh: float, gpus: int = 2, end: float = 1000.0) -> dict:
+    return {"job": job, "user": user, "gpus": list(range(gpus)), "start": end - 60, "end": end, "seconds": 60.0,
+            "joules": {f"GPU-{i}": kwh * 3.6e6 / gpus for i in range(gpus)}, "kwh": kwh}  # fmt: skip
+
+
+def test_a_job_on_two_nodes_is_summed_and_each_user_is_totalled():
+    records = {
+        "node1": [_record("41", "ana", 1.5), _record("42", "bo", 0.25)],
+        "node2": [_record("41", "ana", 1.0), _record("43", "ana", 0.5, gpus=1)],
+    }
+    costs = slurm.job_costs(records, 0.20, "EUR")
+    assert [(j["job"], j["nodes"], j["gpus"], round(j["kwh"], 3)) for j in costs["jobs"]] == [
+        ("41", ["node1", "node2"], 4, 2.5), ("43", ["node2"], 1, 0.5), ("42", ["node1"], 2, 0.25)]  # fmt: skip
+    assert [(u["user"], u["jobs"], round(u["cost"], 2)) for u in costs["users"]] == [("ana", 2, 0.6), ("bo", 1, 0.05)]
+    assert costs["lines"][:3] == [
+        "Slurm jobs: 3, GPU energy at 0.20 EUR/kWh",
+        "  user ana: 2 job(s), 3.000 kWh, 0.60 EUR",
+        "  user bo: 1 job(s), 0.250 kWh, 0.05 EUR",
+    ]
+    assert costs["lines"][3] == "  job 41 (ana, 4 GPU(s) on node1, node2): 2.500 kWh, 0.50 EUR"
+
+
+def test_costs_take_the_guides_price_and_skip_what_is_not_a_record():
+    costs = slurm.job_costs({"node1": [_record("7", "ana", 1.0), "junk", {"job": "8"}], "node2": None})
+    assert costs["lines"] == ["Slurm jobs: 1, GPU energy at $0.12/kWh", "  user ana: 1 job(s), 1.000 kWh, $0.12",
+                              "  job 7 (ana, 2 GPU(s) on node1): 1.000 kWh, $0.12"]  # fmt: skip
