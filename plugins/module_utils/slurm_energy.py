@@ -87,4 +87,4 @@ if __name__ == "__main__":
     # playbooks/slurm_report.yml runs this file on each Slurm node: argv SINCE; prints the records.
     import sys
 
-    print(json.dumps(read_records(JOBS_DIR, float(sys.argv[1]))))
+    sys.stdout.write(json.dumps(read_records(JOBS_DIR, float(sys.argv[1]))) + "\n")

@@ -6,6 +6,7 @@ what cgroup.conf may constrain on the node's kernel. Controller side, pure over 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -312,7 +313,7 @@ def job_costs(records_by_host: Mapping[str, Any], price_per_kwh: Any = None, cur
         user["jobs"], user["kwh"], user["cost"] = user["jobs"] + 1, user["kwh"] + job["kwh"], user["cost"] + job["cost"]
     by_cost = sorted(jobs.values(), key=lambda j: (-j["kwh"], j["job"]))
     per_user = sorted(users.values(), key=lambda u: (-u["kwh"], u["user"]))
-    money = lambda amount: energy.format_money(amount, currency)  # noqa: E731
+    money = functools.partial(energy.format_money, currency=currency)
     lines = [f"Slurm jobs: {len(by_cost)}, GPU energy at {money(price)}/kWh"]
     lines += [f"  user {u['user']}: {u['jobs']} job(s), {u['kwh']:.3f} kWh, {money(u['cost'])}" for u in per_user]
     lines += [f"  job {j['job']} ({j['user']}, {j['gpus']} GPU(s) on {', '.join(j['nodes'])}): "

@@ -35,8 +35,17 @@ PLAYBOOK = """\
 def test_a_worker_of_two_gpus_is_pinned_to_both_and_each_is_health_checked(tmp_path):
     command = "vllm serve {model} --port {port} --tensor-parallel-size {gpus}"
     service = m.inference_services_normalize(
-        [{"name": "chat", "model": "/srv/m", "task": "generation", "gpus_per_worker": 2, "engine": "command",
-          "command": command, "nodes": ["node1"]}]  # fmt: skip
+        [
+            {
+                "name": "chat",
+                "model": "/srv/m",
+                "task": "generation",
+                "gpus_per_worker": 2,
+                "engine": "command",
+                "command": command,
+                "nodes": ["node1"],
+            }
+        ]  # fmt: skip
     )[0]
     worker = m.inference_workers(service, HOSTVARS, "node1", [])[1]
     out = tmp_path / "worker.conf"
