@@ -16,6 +16,8 @@ from typing import Any
 # comes back. "deactivating" is a job saving its checkpoint on the way out. Only inactive, failed
 # and maintenance units are not running.
 RUNNING_STATES = ("active", "reloading", "refreshing", "activating", "deactivating")
+# What `scontrol listpids` says, exiting 1, on a node without a job step.
+NO_STEPS = "No job steps exist on this node."
 
 
 def _unit_row(line: str) -> list[str]:
@@ -40,8 +42,11 @@ def probe_slurm_jobs(result: dict[str, Any] | None) -> list[str]:
     """Return "slurm job ID" for each Slurm job with a step on the node, from the result of
     `scontrol listpids` (PID JOBID STEPID LOCALID GLOBALID), which reads the node's own slurmstepd
     sockets: it answers while slurmd or slurmctld is down, as the jobs go on. rc 0 and no output: no
-    Slurm here. A failed listing counts as a running job: nothing may disrupt jobs nobody can see."""
+    Slurm here; rc 1 with "No job steps exist on this node." (Slurm 22.05 to 24.11): no job. Any other
+    failure counts as a running job: nothing may disrupt jobs nobody can see."""
     result = result or {}
+    if result.get("rc") == 1 and NO_STEPS in str(result.get("stderr") or ""):
+        return []
     if result.get("rc") != 0:
         said = (str(result.get("stderr") or result.get("msg") or "").strip().splitlines() or ["no answer"])[0]
         return [f"slurm jobs unknown (scontrol listpids exited {result.get('rc')}: {said})"]

@@ -62,7 +62,9 @@ def test_each_slurm_job_on_the_node_counts_once() -> None:
 
 def test_no_slurm_and_no_slurm_job_are_no_job() -> None:
     assert probe.probe_slurm_jobs({"rc": 0, "stdout": "", "stderr": ""}) == []
-    assert probe.probe_slurm_jobs({"rc": 0, "stdout": LISTPIDS.splitlines()[0], "stderr": ""}) == []
+    # Slurm 22.05 on a node without a job step: the header, and exit 1 (found in the slurm scenario).
+    idle = {"rc": 1, "stdout": LISTPIDS.splitlines()[0] + "\n", "stderr": "No job steps exist on this node.\n"}
+    assert probe.probe_slurm_jobs(idle) == []
 
 
 def test_a_failed_listing_counts_as_a_job_nobody_may_disrupt() -> None:
