@@ -28,6 +28,12 @@ def figure(gpu: dict, metric: str) -> float | None:
     return value if isinstance(value, int | float) else None
 
 
+def marks(ax, positions: range, values: list, color: str, label: str) -> None:
+    """A short horizontal mark over each bar (none where the value is unknown)."""
+    shown = [value if value is not None else float("nan") for value in values]
+    ax.scatter(positions, shown, marker="_", s=600, color=color, label=label, zorder=3)
+
+
 def draw_panel(ax, gpus: list[dict], labels: list[str], metric: str, title: str, unit: str) -> None:
     """One metric's bars, one per GPU: red when slow, the median of its model and what its link carries as marks."""
     values = [figure(gpu, metric) or 0 for gpu in gpus]
@@ -35,27 +41,10 @@ def draw_panel(ax, gpus: list[dict], labels: list[str], metric: str, title: str,
     positions = range(len(gpus))
     ax.bar(positions, values, color=colors)
     medians = [gpu["peer_median"].get(metric) for gpu in gpus]
-    ax.scatter(
-        positions,
-        [m if m is not None else float("nan") for m in medians],
-        marker="_",
-        s=600,
-        color="black",
-        label="median of its model",
-        zorder=3,
-    )
+    marks(ax, positions, medians, "black", "median of its model")
     if metric in ("h2d_gbs", "d2h_gbs"):
         links = [(gpu.get("link") or {}).get("bandwidth_gbps") for gpu in gpus]
-        ax.scatter(
-            positions,
-            [link if link is not None else float("nan") for link in links],
-            marker="_",
-            s=600,
-            color="tab:green",
-            linestyle="--",
-            label="link carries",
-            zorder=3,
-        )
+        marks(ax, positions, links, "tab:green", "link carries")
     ax.set_xticks(list(positions))
     ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
     ax.set_title(title)
