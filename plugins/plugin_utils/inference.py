@@ -523,8 +523,9 @@ def _workers(
     service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpus: list[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
     address, name, port = node_address(hostvars, host), str(service.get("name")), service.get("port")
+    # _placement chose whole workers' worth of GPUs (or reported the list that is not).
     per_worker = _per_worker(service)
-    groups = [gpus[i : i + per_worker] for i in range(0, len(gpus) - len(gpus) % per_worker, per_worker)]
+    groups = [gpus[i : i + per_worker] for i in range(0, len(gpus), per_worker)]
     return [
         {
             "service": name,
@@ -1017,6 +1018,7 @@ def inference_worker_command(
     command: the service's command with its placeholders filled, each value shell-quoted, split
     like a shell would (shlex)."""
     if service.get("engine") == "command":
+        uuids = [str(uuid) for uuid in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]]
         values = {
             "model": service.get("model_dir"),
             "port": worker.get("port"),
@@ -1026,8 +1028,8 @@ def inference_worker_command(
             "max_new_tokens": service.get("max_new_tokens"),
             "dtype": service.get("dtype"),
             "gpu_uuid": worker.get("gpu_uuid"),
-            "gpu_uuids": ",".join(str(u) for u in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]),
-            "gpus": len(worker.get("gpu_uuids") or [worker.get("gpu_uuid")]),
+            "gpu_uuids": ",".join(uuids),
+            "gpus": len(uuids),
             "slot": worker.get("slot"),
         }
         problems = _bad_engine(service)
