@@ -4,6 +4,7 @@ metrics, and the command line's refusals."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib.util
 import json
@@ -438,6 +439,11 @@ def test_the_worker_runs_under_uvicorn_and_logs_its_load(tmp_path, tiny_lm_dir):
         status, headers, body = _get(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "The cat", "max_tokens": 3})
         assert status == 200 and headers["x-budgetgpu-worker"] == "n1-0"
         assert json.loads(body)["usage"]["completion_tokens"] == 3
+        # Head and body in one write: on loopback, one segment, so the first read holds both.
+        first = _first_read(port, b'{"prompt": "The cat", "max_tokens": 3}')
+        head, _, rest = first.partition(b"\r\n\r\n")
+        length = next(int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k == b"content-length")
+        assert len(rest) == length and json.loads(rest)["usage"]["completion_tokens"] == 3, first
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
@@ -445,6 +451,88 @@ def test_the_worker_runs_under_uvicorn_and_logs_its_load(tmp_path, tiny_lm_dir):
     assert proc.returncode in (0, -signal.SIGTERM), out
     assert "tiny: loaded generation model" in out and "MiB of parameters, float32" in out
     assert "asked float16: CPU runs float32" in out
+
+
+def _first_read(port: int, body: bytes) -> bytes:
+    """What the first recv of a raw POST /v1/completions returns."""
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + body)
+        return s.recv(1 << 20)
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default=None):
+        return ("127.0.0.1", 8100) if name == "sockname" else default
+
+
+def test_the_writes_of_one_loop_turn_leave_as_one_and_close_sends_them_first(w):
+    async def scenario() -> RecordingTransport:
+        inner = RecordingTransport()
+        whole = w.WholeWrites(inner)
+        whole.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        whole.write(bytearray(b"body"))
+        assert inner.writes == [] and whole.get_extra_info("sockname") == ("127.0.0.1", 8100)
+        await asyncio.sleep(0)
+        assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+        whole.write(b"last")
+        whole.close()
+        assert inner.writes[-1] == b"last" and inner.closed
+        return inner
+
+    assert len(asyncio.run(scenario()).writes) == 2
+
+
+def _sends(app, path: str, body: dict) -> list[tuple[str, int]]:
+    """The ASGI messages an app sends for one request, each with the loop turn it was sent in."""
+    events = iter([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 8100), "client": ("127.0.0.1", 5000), "root_path": ""}
+    sent: list[tuple[str, int]] = []
+
+    async def receive():
+        for event in events:
+            return event
+        await asyncio.Event().wait()  # the client stays: a stream runs to its end
+
+    async def send(message):
+        sent.append((message["type"], turn))
+
+    async def scenario():
+        nonlocal turn
+        task = asyncio.create_task(app(scope, receive, send))
+        while not task.done():
+            turn += 1
+            await asyncio.sleep(0)
+        await task
+
+    turn = 0
+    asyncio.run(scenario())
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_head_of_an_answer_leaves_with_its_first_body_bytes(w, lm, tiny_lm_dir, stream):
+    """uvicorn gets the head in the same loop turn as the first body bytes (one write, WholeWrites);
+    a stream's head waits for its first event."""
+    app = w.build_app(_config(w, tiny_lm_dir, "generation"), WORKER_ID, lm)
+    sent = _sends(app, "/v1/completions", {"prompt": "The cat", "max_tokens": 3, "stream": stream})
+    assert [kind for kind, _ in sent[:2]] == ["http.response.start", "http.response.body"], sent
+    assert sent[0][1] == sent[1][1], sent
 
 
 def _healthy(port: int) -> bool:

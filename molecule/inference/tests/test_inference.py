@@ -398,6 +398,11 @@ def loadtest(node: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def lost(result: dict) -> str:
+    """What a load run lost, in words (pytest would cut the dict short)."""
+    return f"{result['ok']}/{result['requests']} ok, errors {result['errors']}, not sent {result['not_sent']}"
+
+
 def test_a_worker_killed_mid_run_costs_no_request(gateway: str, addresses: dict[str, str]) -> None:
     unit = "budgetgpu-infer-embed@0.service"
     pid = sh(GATEWAY, f"systemctl show -p MainPID --value {unit}").strip()
@@ -413,7 +418,7 @@ def test_a_worker_killed_mid_run_costs_no_request(gateway: str, addresses: dict[
         "--at-half",
         f"systemctl kill -s KILL {unit}",
     )
-    assert result["ok"] == 400 and result["errors"] == {}, result
+    assert result["ok"] == 400 and result["errors"] == {}, lost(result)
     assert sh(GATEWAY, f"systemctl show -p MainPID --value {unit}").strip() != pid
     wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT}/health"))
 
@@ -431,7 +436,7 @@ def test_a_hung_worker_costs_its_requests_a_timeout_not_an_error(gateway: str) -
         )  # fmt: skip
     finally:
         sh(GATEWAY, f"systemctl kill -s CONT {unit}")
-    assert result["ok"] == 120 and result["errors"] == {}, result
+    assert result["ok"] == 120 and result["errors"] == {}, lost(result)
     assert f"{GATEWAY}-1" not in result["workers"] and len(result["workers"]) == 3, result["workers"]
     timed_out = sh(GATEWAY, "grep -c 'upstream timed out' /var/log/nginx/budgetgpu-embed.error.log", check=False)
     assert int(timed_out.strip() or 0) >= 1, timed_out

@@ -1034,10 +1034,18 @@ class WorkerApp:
         start = time.perf_counter()
         status = [500]
 
+        # The head waits for the first body bytes, so that both leave in one write (WholeWrites):
+        # a worker killed between the two would hand NGINX a head without its body, an answer the
+        # gateway may no longer retry on another worker.
+        head = []
+
         async def send_stamped(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), self._header]}
+                head.append({**message, "headers": [*message.get("headers", []), self._header]})
+                return
+            if head:
+                await send(head.pop())
             await send(message)
 
         try:
@@ -1082,6 +1090,44 @@ class WorkerApp:
 
 async def _no_body() -> dict:
     return {"type": "http.request", "body": b"", "more_body": False}
+
+
+class WholeWrites:
+    """A transport whose writes of one event-loop turn go out as one (a head and its body): a
+    process killed between two writes leaves half an answer; killed after one, the kernel still
+    delivers all of it."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def _flush(self) -> None:
+        if self._pending and not self._transport.is_closing():
+            self._transport.write(b"".join(self._pending))
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def whole_writes_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol (h11, the one the worker's packages hold) over WholeWrites."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class WholeWritesH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(WholeWrites(transport))
+
+    return WholeWritesH11
 
 
 def _replay(body: bytes, receive):
@@ -1177,6 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
             app,
             host=args.host,
             port=args.port,
+            http=whole_writes_protocol(),
             access_log=False,
             log_config=None,
             timeout_graceful_shutdown=5,
