@@ -27,6 +27,7 @@ pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not i
 pytest.importorskip("fastapi", reason="the worker's packages (requirements-dev.txt) are not installed")
 pytest.importorskip("transformers", reason="the worker's packages (requirements-dev.txt) are not installed")
 from fastapi.testclient import TestClient  # noqa: E402  (after the skips)
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "roles" / "inference" / "files" / "inference_worker.py"
@@ -293,7 +294,7 @@ def test_a_full_worker_answers_503_at_once_while_health_and_metrics_answer(w, lm
     assert third.json()["error"]["code"] == "queue_full"
     assert "concurrency 1, queue 1" in third.json()["error"]["message"]
     assert health.status_code == 200
-    assert "budgetgpu_inference_queue_depth 1" in metrics and "budgetgpu_inference_in_flight 1" in metrics
+    assert samples(metrics)["budgetgpu_inference_queue_depth"] == samples(metrics)["budgetgpu_inference_in_flight"] == 1
     assert results["first"].status_code == results["second"].status_code == 200
     assert client.app.state.admission.running == 0 and client.app.state.admission.waiting == 0
 
@@ -315,7 +316,7 @@ def test_a_request_past_timeout_gets_504_and_its_work_is_cancelled(w, lm):
     assert r.status_code == 504
     assert r.json()["error"]["code"] == "timeout" and "timeout_s=0.3" in r.json()["error"]["message"]
     assert slow.cancelled == [True]
-    assert "budgetgpu_inference_timeouts_total 1" in metrics
+    assert samples(metrics)["budgetgpu_inference_timeouts_total"] == 1
 
 
 def test_a_stream_past_timeout_ends_with_an_error_event_and_cancels(w, lm):
@@ -346,15 +347,26 @@ def test_metrics_count_requests_latency_and_tokens(w, lm):
         client.get("/health")
         r = client.get("/metrics")
     text = r.text
-    assert r.headers["content-type"].startswith("text/plain")
-    assert 'budgetgpu_inference_requests_total{endpoint="/v1/completions",status="200"} 3' in text
-    assert 'budgetgpu_inference_requests_total{endpoint="/v1/completions",status="400"} 1' in text
-    assert 'budgetgpu_inference_requests_total{endpoint="/health",status="200"} 1' in text
-    assert 'budgetgpu_inference_request_duration_seconds_count{endpoint="/v1/completions"} 4' in text
-    assert 'budgetgpu_inference_request_duration_seconds_bucket{endpoint="/v1/completions",le="+Inf"} 4' in text
-    assert "budgetgpu_inference_generated_tokens_total 6" in text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    got = samples(text)
+    assert got['budgetgpu_inference_requests_total{endpoint="/v1/completions",status="200"}'] == 3
+    assert got['budgetgpu_inference_requests_total{endpoint="/v1/completions",status="400"}'] == 1
+    assert got['budgetgpu_inference_requests_total{endpoint="/health",status="200"}'] == 1
+    assert got['budgetgpu_inference_request_duration_seconds_count{endpoint="/v1/completions"}'] == 4
+    assert got['budgetgpu_inference_request_duration_seconds_bucket{endpoint="/v1/completions",le="+Inf"}'] == 4
+    assert got["budgetgpu_inference_generated_tokens_total"] == 6 and got["budgetgpu_inference_model_loaded"] == 1
     assert "# TYPE budgetgpu_inference_tokens_per_second gauge" in text
-    assert "budgetgpu_inference_model_loaded 1" in text
+    assert not [name for name in got if "_created" in name], got
+
+
+def samples(text: str) -> dict[str, float]:
+    """Each series of a /metrics answer, read by Prometheus' own parser: name{labels} -> value."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            found[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return found
 
 
 # ---------------------------------------------------------------- configuration and the command line
@@ -442,7 +454,9 @@ def test_the_worker_runs_under_uvicorn_and_logs_its_load(tmp_path, tiny_lm_dir):
         # Head and body in one write: on loopback, one segment, so the first read holds both.
         first = _first_read(port, b'{"prompt": "The cat", "max_tokens": 3}')
         head, _, rest = first.partition(b"\r\n\r\n")
-        length = next(int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k == b"content-length")
+        length = next(
+            int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k == b"content-length"
+        )
         assert len(rest) == length and json.loads(rest)["usage"]["completion_tokens"] == 3, first
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -455,7 +469,10 @@ def test_the_worker_runs_under_uvicorn_and_logs_its_load(tmp_path, tiny_lm_dir):
 
 def _first_read(port: int, body: bytes) -> bytes:
     """What the first recv of a raw POST /v1/completions returns."""
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head.encode() + body)
         return s.recv(1 << 20)
@@ -499,9 +516,19 @@ def test_the_writes_of_one_loop_turn_leave_as_one_and_close_sends_them_first(w):
 def _sends(app, path: str, body: dict) -> list[tuple[str, int]]:
     """The ASGI messages an app sends for one request, each with the loop turn it was sent in."""
     events = iter([{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}])
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-             "server": ("127.0.0.1", 8100), "client": ("127.0.0.1", 5000), "root_path": ""}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 8100),
+        "client": ("127.0.0.1", 5000),
+        "root_path": "",
+    }
     sent: list[tuple[str, int]] = []
 
     async def receive():
