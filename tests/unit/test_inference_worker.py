@@ -453,11 +453,10 @@ def test_the_worker_runs_under_uvicorn_and_logs_its_load(tmp_path, tiny_lm_dir):
         assert json.loads(body)["usage"]["completion_tokens"] == 3
         # Head and body in one write: on loopback, one segment, so the first read holds both.
         first = _first_read(port, b'{"prompt": "The cat", "max_tokens": 3}')
-        head, _, rest = first.partition(b"\r\n\r\n")
-        length = next(
-            int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")) if k == b"content-length"
-        )
-        assert len(rest) == length and json.loads(rest)["usage"]["completion_tokens"] == 3, first
+        head, rest = first.split(b"\r\n\r\n", 1)
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        assert len(rest) == int(fields[b"content-length"]), first
+        assert json.loads(rest)["usage"]["completion_tokens"] == 3
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=30)[0]
@@ -558,7 +557,7 @@ def test_the_head_of_an_answer_leaves_with_its_first_body_bytes(w, lm, tiny_lm_d
     a stream's head waits for its first event."""
     app = w.build_app(_config(w, tiny_lm_dir, "generation"), WORKER_ID, lm)
     sent = _sends(app, "/v1/completions", {"prompt": "The cat", "max_tokens": 3, "stream": stream})
-    assert [kind for kind, _ in sent[:2]] == ["http.response.start", "http.response.body"], sent
+    assert [kind for kind, _turn in sent[:2]] == ["http.response.start", "http.response.body"], sent
     assert sent[0][1] == sent[1][1], sent
 
 
