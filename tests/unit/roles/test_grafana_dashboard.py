@@ -38,7 +38,7 @@ PROMQL_WORDS |= {"inf", "nan"}
 
 
 def _inference_worker_metrics() -> set[str]:
-    """The names the inference worker's /metrics writes, from its own render()."""
+    """The names the inference worker's /metrics writes, from its own Metrics and StateCollector."""
     pytest.importorskip("fastapi", reason="the worker's packages (requirements-dev.txt) are not installed")
     spec = importlib.util.spec_from_file_location("inference_worker_names", WORKER)
     module = importlib.util.module_from_spec(spec)
@@ -47,8 +47,9 @@ def _inference_worker_metrics() -> set[str]:
         spec.loader.exec_module(module)
         metrics = module.Metrics()
         metrics.observe_request("/v1/completions", 200, 0.2)
-        worker = SimpleNamespace(engine=None, admission=SimpleNamespace(waiting=0, running=0))
-        text = metrics.render(worker)
+        worker = SimpleNamespace(engine=None, admission=SimpleNamespace(waiting=0, running=0), metrics=metrics)
+        metrics.registry.register(module.StateCollector(worker))
+        text = metrics.render().decode()
     finally:
         sys.modules.pop("inference_worker_names", None)
     return {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
