@@ -41,7 +41,7 @@ SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 TASKS = ("embeddings", "generation")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
-ENGINES = ("builtin", "command")
+ENGINES = ("builtin", "command", "vllm")
 STATES = ("started", "stopped", "absent")
 UNIT_PREFIX = "budgetgpu-infer-"
 MODEL_ROOT = "/var/lib/budgetgpu/models"
@@ -53,6 +53,21 @@ PLACEHOLDERS = ("model", "port", "host", "name", "max_input_tokens", "max_new_to
 # A worker's GPUs, within one node: a model split over 1, 2 or 4 cards (tensor parallelism and
 # device_map both want the layers or heads to divide evenly).
 GPUS_PER_WORKER = (1, 2, 4)
+
+# engine vllm: vLLM's OpenAI-compatible server (`vllm serve`), from a venv of its own (vLLM pins its
+# own CUDA build of torch). Its keys sit under a service's `vllm:`. quantization none lets vLLM read
+# the checkpoint's own quantization_config; awq/gptq are the 4-bit checkpoints 3090 owners run.
+VLLM_QUANTIZATIONS = ("none", "awq", "awq_marlin", "gptq", "gptq_marlin", "fp8")
+VLLM_QUANT_BYTES = {"awq": 0.5, "awq_marlin": 0.5, "gptq": 0.5, "gptq_marlin": 0.5, "fp8": 1.0}
+# vLLM takes this share of each GPU's memory up front (weights, then KV cache to fill it); above
+# 0.95 the CUDA context, NCCL and the sampler's buffers find no room and the engine fails to start.
+VLLM_MAX_MEMORY_FRACTION = 0.95
+# vLLM's CUDA kernels need Volta or newer (compute capability 7.0).
+VLLM_MIN_CAPABILITY = (7, 0)
+# What pip installs into vLLM's venv: vllm, pinned or not (the wheelhouse decides the version).
+VLLM_PACKAGE = re.compile(r"^vllm(==[0-9][0-9A-Za-z.+!-]*)?$")
+# The service keys that are mappings of their own, merged key by key (defaults, then the service's).
+NESTED_KEYS = ("gateway", "vllm")
 
 # The built-in default of every optional key: the one place service defaults live (the inference
 # role's argument spec repeats them for ansible-doc; a unit test holds the two equal). inference_user
@@ -85,6 +100,15 @@ SERVICE_DEFAULTS: dict[str, Any] = {
         "rate_per_s": 100,
         "conns_per_client": 128,
     },
+    # engine vllm only. max_model_len: the tokens of one sequence (None: max_input_tokens +
+    # max_new_tokens); venv: vLLM's own, filled with `package` from the nodes' wheelhouse.
+    "vllm": {
+        "quantization": "none",
+        "max_model_len": None,
+        "gpu_memory_utilization": 0.9,
+        "venv": "/opt/budgetgpu/vllm-venv",
+        "package": "vllm",
+    },
     "state": "started",
     # A user of the workers' own, not the training user: a job cannot signal or trace them.
     "user": "budgetgpu-infer",
@@ -92,6 +116,7 @@ SERVICE_DEFAULTS: dict[str, Any] = {
 }
 SERVICE_KEYS = frozenset(SERVICE_DEFAULTS) | {"name"}
 GATEWAY_KEYS = tuple(SERVICE_DEFAULTS["gateway"])
+VLLM_KEYS = tuple(SERVICE_DEFAULTS["vllm"])
 # Keys normalise adds (not the inventory's).
 DERIVED_KEYS = frozenset({"unit_template", "model_dir", "config_file"})
 GATEWAY_INT_FIELDS = {"rate_per_s": 1, "conns_per_client": 1}
@@ -143,6 +168,14 @@ def _as_int(value: Any) -> Any:
     return value
 
 
+def _as_float(value: Any) -> Any:
+    """Take "0.9" (extra vars) as 0.9; anything else as it is (the check names it)."""
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -150,7 +183,7 @@ def _is_int(value: Any) -> bool:
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in over.items():
-        if key == "gateway" and isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+        if key in NESTED_KEYS and isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
             value = {**merged[key], **value}
         merged[key] = value
     return merged
@@ -175,6 +208,13 @@ def inference_service_normalize(
     if isinstance(merged.get("gateway"), Mapping):
         gateway = merged["gateway"]
         merged["gateway"] = {**gateway, **{k: _as_int(gateway.get(k)) for k in ("port", *GATEWAY_INT_FIELDS)}}
+    if isinstance(merged.get("vllm"), Mapping):
+        vllm = merged["vllm"]
+        merged["vllm"] = {
+            **vllm,
+            "max_model_len": _as_int(vllm.get("max_model_len")),
+            "gpu_memory_utilization": _as_float(vllm.get("gpu_memory_utilization")),
+        }
     name = str(merged.get("name") or "")
     merged["unit_template"] = unit_name(name)
     merged["model_dir"] = f"{(model_root or MODEL_ROOT).rstrip('/')}/{name}"
@@ -286,8 +326,8 @@ def _is_cidr(value: Any) -> bool:
 
 def _bad_engine(service: Mapping[str, Any]) -> list[str]:
     engine, command = service.get("engine"), service.get("command")
-    if engine == "builtin" and command:
-        return [f"command: found {command!r}, expected none with engine builtin (set engine: command to run it)"]
+    if engine in ("builtin", "vllm") and command:
+        return [f"command: found {command!r}, expected none with engine {engine} (set engine: command to run it)"]
     if engine != "command":
         return []
     if not isinstance(command, str) or "{port}" not in command:
@@ -304,6 +344,57 @@ def _bad_engine(service: Mapping[str, Any]) -> list[str]:
         hint = _nearest(unknown[0], PLACEHOLDERS)
         return [f"command: found placeholder {{{unknown[0]}}}{hint}, expected only {', '.join(PLACEHOLDERS)}"]
     return []
+
+
+def _bad_vllm(service: Mapping[str, Any]) -> list[str]:
+    """engine vllm: its own keys, and quantisation by vLLM's methods, never bitsandbytes' 8bit/4bit."""
+    if service.get("engine") != "vllm":
+        return []
+    vllm = service.get("vllm")
+    if not isinstance(vllm, Mapping):
+        return [f"vllm: found {vllm!r}, expected a mapping with {', '.join(VLLM_KEYS)}"]
+    bad = [
+        f"vllm.{key}: unknown key{_nearest(key, VLLM_KEYS)}; expected one of {', '.join(VLLM_KEYS)}"
+        for key in sorted(set(vllm) - set(VLLM_KEYS), key=str)
+    ]
+    quant, method = service.get("quantization"), vllm.get("quantization")
+    if quant in QUANT_BYTES:
+        bad.append(
+            f"quantization: found {quant} with engine vllm, expected none: 8bit/4bit are bitsandbytes' (engine "
+            f"builtin); for an AWQ or GPTQ checkpoint set vllm.quantization ({', '.join(VLLM_QUANTIZATIONS)})"
+        )
+    if method not in VLLM_QUANTIZATIONS:
+        bad.append(
+            f"vllm.quantization: found {method!r}, expected one of {', '.join(VLLM_QUANTIZATIONS)}"
+            f"{_nearest(method, VLLM_QUANTIZATIONS)}"
+        )
+    return bad + _bad_vllm_settings(service, vllm)
+
+
+def _bad_vllm_settings(service: Mapping[str, Any], vllm: Mapping[str, Any]) -> list[str]:
+    bad = []
+    length = vllm.get("max_model_len")
+    if length is not None and (not _is_int(length) or length < 1):
+        bad.append(
+            f"vllm.max_model_len: found {length!r}, expected a whole number of tokens of 1 or more, or none "
+            "(max_input_tokens + max_new_tokens)"
+        )
+    share = vllm.get("gpu_memory_utilization")
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= VLLM_MAX_MEMORY_FRACTION:
+        bad.append(
+            f"vllm.gpu_memory_utilization: found {share!r}, expected a share of each GPU's memory above 0 and "
+            f"at most {VLLM_MAX_MEMORY_FRACTION}"
+        )
+    venv, workers_venv = vllm.get("venv"), str(service.get("venv")).rstrip("/")
+    if not isinstance(venv, str) or not venv.startswith("/") or venv.rstrip("/") == workers_venv:
+        bad.append(
+            f"vllm.venv: found {venv!r}, expected an absolute path apart from venv {service.get('venv')} "
+            "(vLLM pins its own torch)"
+        )
+    package = vllm.get("package")
+    if not isinstance(package, str) or not VLLM_PACKAGE.fullmatch(package):
+        bad.append(f"vllm.package: found {package!r}, expected vllm or vllm==VERSION (a wheel in the wheelhouse)")
+    return bad
 
 
 def _bad_runtime(service: Mapping[str, Any]) -> list[str]:
@@ -330,6 +421,7 @@ def service_problems(service: Mapping[str, Any]) -> list[str]:
         *_bad_gpus(service.get("gpus")),
         *_bad_gateway(service.get("gateway")),
         *_bad_engine(service),
+        *_bad_vllm(service),
         *_bad_runtime(service),
     ]
 
@@ -770,26 +862,53 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.0f} MiB"
 
 
+def _weight_bytes(service: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[float, str]:
+    """Return (bytes per parameter, what sets them): bitsandbytes' 8bit/4bit (engine builtin), vLLM's
+    method (vllm.quantization, else the checkpoint's quantization_config, its bits where it says),
+    else the dtype."""
+    dtype = str(service.get("dtype") or "float16")
+    quant = service.get("quantization") or "none"
+    if service.get("engine") != "vllm":
+        return (QUANT_BYTES[quant], quant) if quant in QUANT_BYTES else (DTYPE_BYTES.get(dtype, 2.0), dtype)
+    vllm = service.get("vllm") if isinstance(service.get("vllm"), Mapping) else {}
+    found = config.get("quantization_config") if isinstance(config, Mapping) else None
+    found = found if isinstance(found, Mapping) else {}
+    method = vllm.get("quantization") or "none"
+    method = str(found.get("quant_method") or "none") if method == "none" else method
+    if method not in VLLM_QUANT_BYTES:
+        return DTYPE_BYTES.get(dtype, 2.0), dtype
+    bits = found.get("bits")
+    return (bits / 8 if _is_int(bits) and method != "fp8" else VLLM_QUANT_BYTES[method]), method
+
+
+def inference_context_tokens(service: Mapping[str, Any]) -> int:
+    """Return the tokens of one sequence that a worker's KV cache holds: vllm.max_model_len (vLLM's
+    --max-model-len) where set, else max_input_tokens + max_new_tokens."""
+    vllm = service.get("vllm") if isinstance(service.get("vllm"), Mapping) else {}
+    if service.get("engine") == "vllm" and _is_int(vllm.get("max_model_len")):
+        return int(vllm["max_model_len"])
+    return int(service.get("max_input_tokens") or 0) + int(service.get("max_new_tokens") or 0)
+
+
 def inference_memory_need(service: Mapping[str, Any], model_config: Mapping[str, Any]) -> dict[str, Any]:
     """Return what one worker of the service holds on its GPUs, in bytes: the weights (parameters x
     bytes per parameter of the dtype, or of the quantisation), for generation the KV cache
-    (2 x layers x kv_heads x head_dim x (max_input_tokens + max_new_tokens) x concurrency x bytes of
+    (2 x layers x kv_heads x head_dim x inference_context_tokens x concurrency x bytes of
     the dtype, never below 2: quantised weights compute in float16), split evenly over its
     gpus_per_worker GPUs, and one CUDA context on each; `per_gpu_bytes` is what each GPU must hold,
     `text` says the arithmetic. Activations are not counted: the figure is the least a worker needs."""
     shape = model_shape(model_config)
     params = model_parameters(shape)
-    quant, dtype = service.get("quantization") or "none", service.get("dtype") or "float16"
-    per_param = QUANT_BYTES.get(quant) or DTYPE_BYTES.get(dtype, 2.0)
+    dtype = service.get("dtype") or "float16"
+    per_param, unit = _weight_bytes(service, model_config)
     weights = int(params * per_param)
     kv_cache = 0
     if service.get("task") == "generation":
-        tokens = int(service.get("max_input_tokens") or 0) + int(service.get("max_new_tokens") or 0)
+        tokens = inference_context_tokens(service)
         per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * max(DTYPE_BYTES.get(dtype, 2.0), 2)
         kv_cache = int(per_token * tokens * int(service.get("concurrency") or 1))
     gpus = _per_worker(service)
     per_gpu = (weights + kv_cache) // gpus + CUDA_CONTEXT_BYTES
-    unit = quant if quant in QUANT_BYTES else dtype
     scale = f"{params / 1e9:.1f}e9" if params >= 1e9 else f"{params / 1e6:.1f}e6"
     text = f"{scale} params x {per_param:g} B ({unit}) = {_gib(weights)}"
     if kv_cache:
@@ -827,16 +946,19 @@ def _capability(value: Any) -> tuple[int, ...] | None:
 def _gpu_problems(
     service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpu: Mapping[str, Any], need: Any
 ) -> list[str]:
-    """Memory and quantisation of one GPU that serves the service."""
+    """Memory, engine and quantisation of one GPU that serves the service."""
     name, quant, problems = service.get("name"), service.get("quantization"), []
     label = f"{_gpu_label(host, gpu)}: service {name}"
     memory = gpu.get("memory_total_mib")
-    if isinstance(need, Mapping) and _is_int(memory) and need["per_gpu_bytes"] > memory * 2**20:
+    usable, share = _usable_memory(service, memory)
+    if isinstance(need, Mapping) and _is_int(memory) and need["per_gpu_bytes"] > usable:
         hint = "" if need["gpus"] >= max(GPUS_PER_WORKER) else " (or more gpus_per_worker)"
-        problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(memory * 2**20)}{hint}")
+        problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(usable)}{share}{hint}")
+    if service.get("engine") == "vllm":
+        return problems + _vllm_gpu_problems(hostvars, host, gpu, label)
     if quant not in QUANT_BYTES:
         return problems
-    if str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on"):
+    if _simulated(hostvars, host):
         problems.append(
             f"{label}: quantization: found {quant} on a simulated node (no CUDA), expected none: bitsandbytes "
             f"8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more (the real-GPU path)"
@@ -849,6 +971,38 @@ def _gpu_problems(
             f"expected compute capability 7.5 or more (bitsandbytes), or quantization none"
         )
     return problems
+
+
+def _simulated(hostvars: Mapping[str, Any], host: str) -> bool:
+    return str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on")
+
+
+def _usable_memory(service: Mapping[str, Any], memory_mib: Any) -> tuple[float, str]:
+    """Return (the bytes of one GPU a worker may fill, how that was reached): all of it, or for vLLM
+    its gpu_memory_utilization share (it reserves that much up front and never more)."""
+    if not _is_int(memory_mib):
+        return 0, ""
+    total = memory_mib * 2**20
+    share = (service.get("vllm") or {}).get("gpu_memory_utilization") if service.get("engine") == "vllm" else None
+    if isinstance(share, int | float) and not isinstance(share, bool) and 0 < share < 1:
+        return total * share, f" (vllm.gpu_memory_utilization {share:g} of {_gib(total)})"
+    return total, ""
+
+
+def _vllm_gpu_problems(hostvars: Mapping[str, Any], host: str, gpu: Mapping[str, Any], label: str) -> list[str]:
+    """vLLM runs on a real CUDA GPU of compute capability 7.0 or more only."""
+    if _simulated(hostvars, host):
+        return [
+            f"{label}: engine: found vllm on a simulated node (no CUDA), expected builtin: vLLM runs only on a real "
+            "CUDA GPU (the built-in worker is the one that runs on simulated and CPU nodes)"
+        ]
+    capability = _capability(gpu.get("compute_capability"))
+    if capability is not None and capability < VLLM_MIN_CAPABILITY:
+        return [
+            f"{label}: engine: found vllm on compute capability {gpu.get('compute_capability')}, expected compute "
+            "capability 7.0 or more (vLLM's CUDA kernels), or engine builtin"
+        ]
+    return []
 
 
 def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -> tuple[Any, list[str]]:
@@ -1016,7 +1170,9 @@ def inference_worker_command(
     """Return the argv of a worker's ExecStart. builtin: <python> <worker_script> --config
     <config_file> --port P --host A --worker-id <host>-<slot> (python: <venv>/bin/python3).
     command: the service's command with its placeholders filled, each value shell-quoted, split
-    like a shell would (shlex)."""
+    like a shell would (shlex). vllm: inference_vllm_command."""
+    if service.get("engine") == "vllm":
+        return inference_vllm_command(service, worker)
     if service.get("engine") == "command":
         uuids = [str(uuid) for uuid in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]]
         values = {
@@ -1051,3 +1207,39 @@ def inference_worker_command(
         "--worker-id",
         f"{worker.get('host')}-{worker.get('slot')}",
     ]
+
+
+def inference_vllm_command(service: Mapping[str, Any], worker: Mapping[str, Any]) -> list[str]:
+    """Return engine vllm's argv: <vllm.venv>/bin/vllm serve <model_dir>, listening on the worker's
+    address and port, serving the service's name, tensor-parallel over its gpus_per_worker GPUs, with
+    the dtype, the context (inference_context_tokens), concurrency as --max-num-seqs (the gateway sends
+    a worker concurrency + queue requests), the memory share and vLLM's quantisation method. No API
+    key: the gateway checks the clients' keys and the firewall admits only it (and Prometheus)."""
+    problems = _bad_vllm(service)
+    if problems:
+        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+    vllm = service["vllm"]
+    argv = [
+        f"{str(vllm['venv']).rstrip('/')}/bin/vllm",
+        "serve",
+        str(service.get("model_dir")),
+        "--host",
+        str(worker.get("address")),
+        "--port",
+        str(worker.get("port")),
+        "--served-model-name",
+        str(service.get("name")),
+        "--tensor-parallel-size",
+        str(_per_worker(service)),
+        "--dtype",
+        str(service.get("dtype")),
+        "--max-model-len",
+        str(inference_context_tokens(service)),
+        "--max-num-seqs",
+        str(service.get("concurrency")),
+        "--gpu-memory-utilization",
+        f"{vllm['gpu_memory_utilization']:g}",
+    ]
+    if vllm["quantization"] != "none":
+        argv += ["--quantization", str(vllm["quantization"])]
+    return argv

@@ -120,8 +120,9 @@ def test_the_argument_spec_documents_the_service_defaults_of_the_model():
     spec = yaml.safe_load((REPO / "roles/inference/meta/argument_specs.yml").read_text())
     options = spec["argument_specs"]["main"]["options"]["inference_services"]["options"]
     assert set(options) == m.SERVICE_KEYS
-    documented = {key: options[key].get("default") for key in m.SERVICE_DEFAULTS if key != "gateway"}
-    documented["gateway"] = {key: sub.get("default") for key, sub in options["gateway"]["options"].items()}
+    documented = {key: options[key].get("default") for key in m.SERVICE_DEFAULTS if key not in m.NESTED_KEYS}
+    for nested in m.NESTED_KEYS:
+        documented[nested] = {key: sub.get("default") for key, sub in options[nested]["options"].items()}
     assert documented == m.SERVICE_DEFAULTS
 
 
@@ -207,7 +208,7 @@ def test_a_mapping_of_services_is_told_to_become_a_list():
         (embed(gateway={"rate_per_s": 0}), "gateway.rate_per_s: found 0, expected a whole number of 1 or more"),
         (embed(user="root"), "user: found 'root', expected an unprivileged system user"),
         (embed(nodes=""), "nodes: found '', expected an inventory group or a list of hosts"),
-        (embed(engine="vllm"), "engine: found 'vllm', expected one of builtin, command"),
+        (embed(engine="vlm"), "engine: found 'vlm', expected one of builtin, command"),
         (embed(engine="command"), "command: found '', expected an OpenAI-compatible server command with {port}"),
         (embed(engine="command", command="vllm serve {model}"), "expected an OpenAI-compatible server command"),
         (embed(engine="command", command="srv --port {port} --m {modle}"), "placeholder {modle} (did you mean model?)"),
