@@ -780,3 +780,177 @@ def test_body_limits_follow_max_input_tokens_and_max_conns_is_concurrency_plus_q
     assert limits["/v1/embeddings"] == min(2048 * 512, 300_000) * 8 + 65536
     assert limits["other"] == 65536
     assert m.inference_max_conns(item) == 18
+
+
+# --- engine vllm (issue 29) -------------------------------------------------------------------------
+
+
+def vllm_chat(**vllm) -> dict:
+    return chat(engine="vllm", vllm=vllm, nodes=["node1"])
+
+
+def test_vllm_settings_merge_key_by_key_and_strings_become_numbers():
+    got = services(
+        vllm_chat(quantization="awq", max_model_len="4096"), defaults={"vllm": {"gpu_memory_utilization": "0.85"}}
+    )
+    assert got[0]["vllm"] == {
+        "quantization": "awq",
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.85,
+        "venv": "/opt/budgetgpu/vllm-venv",
+        "package": "vllm",
+    }
+    # Settings for vLLM in the shared defaults leave the other engines' services as they are.
+    assert services(embed(), defaults={"vllm": {"gpu_memory_utilization": 2}})[0]["engine"] == "builtin"
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        (
+            chat(engine="vllm", quantization="4bit"),
+            "quantization: found 4bit with engine vllm, expected none: 8bit/4bit",
+        ),
+        (vllm_chat(quantization="awk"), "vllm.quantization: found 'awk', expected one of none, awq, awq_marlin, gptq"),
+        (vllm_chat(quantisation="awq"), "vllm.quantisation: unknown key (did you mean quantization?)"),
+        (chat(engine="vllm", vllm="awq"), "vllm: found 'awq', expected a mapping with quantization, max_model_len"),
+        (vllm_chat(gpu_memory_utilization=0), "vllm.gpu_memory_utilization: found 0, expected a share of each GPU"),
+        (vllm_chat(gpu_memory_utilization=0.97), "gpu_memory_utilization: found 0.97, expected a share of each GPU's"),
+        (vllm_chat(gpu_memory_utilization="most"), "vllm.gpu_memory_utilization: found 'most', expected a share"),
+        (vllm_chat(gpu_memory_utilization=True), "vllm.gpu_memory_utilization: found True, expected a share"),
+        (vllm_chat(max_model_len=0), "vllm.max_model_len: found 0, expected a whole number of tokens of 1 or more"),
+        (
+            vllm_chat(venv="/opt/budgetgpu/venv"),
+            "vllm.venv: found '/opt/budgetgpu/venv', expected an absolute path apart",
+        ),
+        (vllm_chat(venv="vllm-venv"), "vllm.venv: found 'vllm-venv', expected an absolute path apart from venv"),
+        (vllm_chat(package="vllm>=0.6"), "vllm.package: found 'vllm>=0.6', expected vllm or vllm==VERSION"),
+        (chat(engine="vllm", command="vllm serve {model} --port {port}"), "expected none with engine vllm"),
+    ],
+)
+def test_a_bad_vllm_setting_is_refused_naming_service_key_found_and_expected(service, expected):
+    message = refused(service)
+    assert expected in message and message.startswith("inference_services[0] (chat): ")
+
+
+def test_a_misspelt_engine_is_pointed_at_vllm():
+    assert "engine: found 'vlm', expected one of builtin, command, vllm" in refused(chat(engine="vlm"))
+    assert "(did you mean vllm?)" in refused(chat(engine="vlm"))
+
+
+def test_the_mended_vllm_service_passes():
+    got = services(vllm_chat(quantization="awq", gpu_memory_utilization=0.95, max_model_len=8192))
+    assert got[0]["vllm"]["quantization"] == "awq" and got[0]["quantization"] == "none"
+
+
+def test_vllm_serves_the_service_name_on_the_workers_port_over_its_gpus():
+    service = services(
+        chat(engine="vllm", gpus_per_worker=2, concurrency=16, dtype="bfloat16", vllm={"quantization": "awq"})
+    )[0]
+    argv = m.inference_worker_command(service, worker(service), None, "/unused/inference_worker.py")
+    assert argv == [
+        "/opt/budgetgpu/vllm-venv/bin/vllm",
+        "serve",
+        "/var/lib/budgetgpu/models/chat",
+        "--host",
+        "10.0.0.11",
+        "--port",
+        "8101",
+        "--served-model-name",
+        "chat",
+        "--tensor-parallel-size",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2304",
+        "--max-num-seqs",
+        "16",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--quantization",
+        "awq",
+    ]
+    # No key on the command line (ps, the journal, systemctl show): the gateway checks the clients' keys.
+    assert not any("key" in arg.lower() for arg in argv)
+
+
+def test_vllm_without_quantisation_leaves_it_to_the_checkpoint_and_takes_max_model_len():
+    service = services(vllm_chat(max_model_len=8192, venv="/srv/vllm/"))[0]
+    argv = m.inference_worker_command(service, worker(service))
+    assert "--quantization" not in argv and argv[0] == "/srv/vllm/bin/vllm"
+    assert argv[argv.index("--max-model-len") + 1] == "8192" and argv[argv.index("--tensor-parallel-size") + 1] == "1"
+
+
+def test_vllm_on_a_simulated_node_or_an_old_gpu_is_refused_naming_host_and_gpu():
+    simulated = hostvars(node1=node("10.0.0.11", budgetgpu_simulated=True))
+    assert check(services(vllm_chat()), simulated) == [
+        f"node1 GPU {i} ({RTX}, 24576 MiB): service chat: engine: found vllm on a simulated node (no CUDA), "
+        "expected builtin: vLLM runs only on a real CUDA GPU (the built-in worker is the one that runs on "
+        "simulated and CPU nodes)"
+        for i in range(4)
+    ]
+    pascal = hostvars(node1=node("10.0.0.11", gpus=1, gpu={"name": "Tesla P100", "cc": "6.0"}))
+    assert check(services(vllm_chat()), pascal) == [
+        "node1 GPU 0 (Tesla P100, 24576 MiB): service chat: engine: found vllm on compute capability 6.0, expected "
+        "compute capability 7.0 or more (vLLM's CUDA kernels), or engine builtin"
+    ]
+    volta = hostvars(node1=node("10.0.0.11", gpus=1, gpu={"name": "Tesla V100", "cc": "7.0"}))
+    assert check(services(vllm_chat()), volta) == [] == check(services(vllm_chat()))
+
+
+def test_vllm_on_a_node_without_a_gpu_is_refused():
+    cpu = hostvars(node1=node("10.0.0.11", gpus=0))
+    assert check(services(vllm_chat()), cpu) == [
+        "node1: service chat: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)"
+    ]
+
+
+def test_vllm_must_fit_its_share_of_each_gpu():
+    # 7B in float16 with its KV cache needs 14.2 GiB of a 16 GiB card: the built-in worker fits, vLLM
+    # holding 0.85 of it (13.6 GiB) does not, at 0.95 (15.2 GiB) it does.
+    card = hostvars(node1=node("10.0.0.11", gpus=1, gpu={"mib": 16384, "name": "NVIDIA RTX A4000", "cc": "8.6"}))
+    configs = {"chat": LLAMA_7B}
+    assert check(services(chat(nodes=["node1"])), card, configs=configs) == []
+    assert check(services(vllm_chat(gpu_memory_utilization=0.85)), card, configs=configs) == [
+        "node1 GPU 0 (NVIDIA RTX A4000, 16384 MiB): service chat: memory: needs 14.2 GiB (6.7e9 params x 2 B "
+        "(float16) = 12.6 GiB + KV cache 1.1 GiB + 500 MiB CUDA context); expected at most 13.6 GiB "
+        "(vllm.gpu_memory_utilization 0.85 of 16.0 GiB) (or more gpus_per_worker)"
+    ]
+    assert check(services(vllm_chat(gpu_memory_utilization=0.95)), card, configs=configs) == []
+
+
+def test_the_guides_70b_in_awq_is_summed_over_the_workers_gpus():
+    one = services(vllm_chat(quantization="awq"))
+    bad = check(one, configs={"chat": LLAMA_70B})
+    assert len(bad) == 4 and bad[0] == (
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 33.3 GiB (69.0e9 params x 0.5 B (awq) = "
+        "32.1 GiB + KV cache 720 MiB + 500 MiB CUDA context); expected at most 21.6 GiB "
+        "(vllm.gpu_memory_utilization 0.9 of 24.0 GiB) (or more gpus_per_worker)"
+    )
+    # Over two 3090s each holds half the weights and the KV cache: 16.9 GiB of its 21.6.
+    two = services(chat(engine="vllm", vllm={"quantization": "awq"}, nodes=["node1"], gpus_per_worker=2))
+    assert check(two, configs={"chat": LLAMA_70B}) == []
+    assert m.inference_memory_need(two[0], LLAMA_70B)["text"].startswith("16.9 GiB on each of 2 GPUs")
+
+
+def test_vllm_counts_the_checkpoints_own_quantisation():
+    awq = {**LLAMA_70B, "quantization_config": {"quant_method": "awq", "bits": 4}}
+    gptq8 = {**LLAMA_70B, "quantization_config": {"quant_method": "gptq", "bits": 8}}
+    plain = services(vllm_chat())[0]
+    assert m.inference_memory_need(plain, awq)["bytes_per_param"] == 0.5
+    assert "x 0.5 B (awq)" in m.inference_memory_need(plain, awq)["text"]
+    assert m.inference_memory_need(plain, gptq8)["bytes_per_param"] == 1.0
+    assert m.inference_memory_need(plain, LLAMA_70B)["bytes_per_param"] == 2.0
+    # The built-in engine loads such a checkpoint through transformers, not counted here: its own keys decide.
+    assert m.inference_memory_need(services(chat())[0], awq)["bytes_per_param"] == 2.0
+    fp8 = services(vllm_chat(quantization="fp8"))[0]
+    assert m.inference_memory_need(fp8, LLAMA_70B)["bytes_per_param"] == 1.0
+
+
+def test_vllm_max_model_len_sizes_the_kv_cache():
+    default = m.inference_memory_need(services(vllm_chat())[0], LLAMA_7B)["kv_cache_bytes"]
+    long = m.inference_memory_need(services(vllm_chat(max_model_len=9216))[0], LLAMA_7B)["kv_cache_bytes"]
+    assert default == 2 * 32 * 32 * 128 * 2304 * 2 and long == 4 * default
+    assert m.inference_context_tokens(services(vllm_chat(max_model_len=9216))[0]) == 9216
+    assert m.inference_context_tokens(services(chat(vllm={"max_model_len": 9216}))[0]) == 2304
