@@ -41,7 +41,7 @@ SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 TASKS = ("embeddings", "generation")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
-ENGINES = ("builtin", "command", "vllm")
+ENGINES = ("builtin", "command", "vllm", "llamacpp")
 STATES = ("started", "stopped", "absent")
 UNIT_PREFIX = "budgetgpu-infer-"
 MODEL_ROOT = "/var/lib/budgetgpu/models"
@@ -66,6 +66,11 @@ VLLM_MAX_MEMORY_FRACTION = 0.95
 VLLM_MIN_CAPABILITY = (7, 0)
 # What pip installs into vLLM's venv: vllm, pinned or not (the wheelhouse decides the version).
 VLLM_PACKAGE = re.compile(r"^vllm(==[0-9][0-9A-Za-z.+!-]*)?$")
+# engine llamacpp: llama.cpp's llama-server (scripts/build-llama-server), one GGUF file as the model
+# (the GGUF holds its weights' type: dtype and quantization do not apply). Bounds: its slots
+# (-np, the service's concurrency) and the tokens its KV cache holds over all slots (-c).
+LLAMACPP_MAX_SLOTS = 256
+LLAMACPP_MAX_CONTEXT = 1_048_576
 # The service keys that are mappings of their own, merged key by key (defaults, then the service's).
 NESTED_KEYS = ("gateway", "vllm")
 
@@ -397,6 +402,43 @@ def _bad_vllm_settings(service: Mapping[str, Any], vllm: Mapping[str, Any]) -> l
     return bad
 
 
+def _bad_llamacpp(service: Mapping[str, Any]) -> list[str]:
+    """engine llamacpp: a .gguf model, no command, no bitsandbytes quantisation (the GGUF's own
+    type is what runs), slots and context within llama-server's bounds."""
+    if service.get("engine") != "llamacpp":
+        return []
+    bad, model, command = [], service.get("model"), service.get("command")
+    if isinstance(model, str) and not model.strip().lower().endswith(".gguf"):
+        bad.append(f"model: found {model!r}, expected a GGUF file (*.gguf) on the control node with engine llamacpp")
+    if command:
+        bad.append(f"command: found {command!r}, expected none with engine llamacpp (set engine: command to run it)")
+    quant = service.get("quantization")
+    if quant in QUANT_BYTES:
+        bad.append(
+            f"quantization: found {quant} with engine llamacpp, expected none: a GGUF file carries its own "
+            "quantisation (Q4_K_M, Q8_0, ...): convert or pick the GGUF you want to run"
+        )
+    slots = service.get("concurrency")
+    if _is_int(slots) and slots > LLAMACPP_MAX_SLOTS:
+        bad.append(f"concurrency: found {slots}, expected at most {LLAMACPP_MAX_SLOTS} llama-server slots (-np)")
+    context = llamacpp_context(service)
+    if context > LLAMACPP_MAX_CONTEXT:
+        bad.append(
+            f"max_input_tokens + max_new_tokens: found {context} tokens over {slots} slots, expected at most "
+            f"{LLAMACPP_MAX_CONTEXT} (llama-server's -c: (max_input_tokens + max_new_tokens) x concurrency)"
+        )
+    return bad
+
+
+def llamacpp_context(service: Mapping[str, Any]) -> int:
+    """Return llama-server's -c: the tokens of all slots' KV cache, each slot holding one request's
+    max_input_tokens + max_new_tokens (llama-server splits -c evenly over its -np slots)."""
+    values = [service.get(key) for key in ("max_input_tokens", "max_new_tokens", "concurrency")]
+    if not all(_is_int(v) and v > 0 for v in values):
+        return 0
+    return (values[0] + values[1]) * values[2]
+
+
 def _bad_runtime(service: Mapping[str, Any]) -> list[str]:
     bad = []
     nodes = service.get("nodes")
@@ -422,6 +464,7 @@ def service_problems(service: Mapping[str, Any]) -> list[str]:
         *_bad_gateway(service.get("gateway")),
         *_bad_engine(service),
         *_bad_vllm(service),
+        *_bad_llamacpp(service),
         *_bad_runtime(service),
     ]
 
@@ -1011,6 +1054,8 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
     if name not in (model_configs or {}):
         return None, []
     config = model_configs[name]
+    if service.get("engine") == "llamacpp":
+        return _gguf_need(service, config)
     where = f"control node: service {name}: model"
     if config in (None, ""):
         return None, [
@@ -1026,6 +1071,33 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
         return inference_memory_need(service, config), []
     except ValueError as error:
         return None, [f"{where}: {service.get('model')}/{error}"]
+
+
+def _gguf_need(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
+    """engine llamacpp: (the memory need, the model's problems) from what the control node found of
+    the GGUF file (preflight: {"gguf_bytes": size}, or None where it is missing or not a file)."""
+    size = found.get("gguf_bytes") if isinstance(found, Mapping) else None
+    if not _is_int(size) or size <= 0:
+        return None, [
+            f"control node: service {service.get('name')}: model: found no GGUF file {service.get('model')} on the "
+            "control node, expected a GGUF model file (scripts in llama.cpp convert Hugging Face models to GGUF)"
+        ]
+    gpus = _per_worker(service)
+    per_gpu = size // gpus + CUDA_CONTEXT_BYTES
+    spread = f", over {gpus} GPUs" if gpus > 1 else ""
+    context = _gib(CUDA_CONTEXT_BYTES)
+    text = f"{_gib(per_gpu)} (GGUF weights {_gib(size)}{spread} + {context} CUDA context; KV cache not counted)"
+    return {
+        "params": None,
+        "bytes_per_param": None,
+        "weights_bytes": size,
+        "kv_cache_bytes": 0,
+        "overhead_bytes": CUDA_CONTEXT_BYTES * gpus,
+        "gpus": gpus,
+        "per_gpu_bytes": per_gpu,
+        "total_bytes": size + CUDA_CONTEXT_BYTES * gpus,
+        "text": text,
+    }, []
 
 
 def _service_problems(
@@ -1166,13 +1238,17 @@ def inference_worker_command(
     worker: Mapping[str, Any],
     python: str | None = None,
     worker_script: str | None = None,
+    llama_server: str | None = None,
 ) -> list[str]:
     """Return the argv of a worker's ExecStart. builtin: <python> <worker_script> --config
     <config_file> --port P --host A --worker-id <host>-<slot> (python: <venv>/bin/python3).
     command: the service's command with its placeholders filled, each value shell-quoted, split
-    like a shell would (shlex). vllm: inference_vllm_command."""
+    like a shell would (shlex). vllm: inference_vllm_command. llamacpp: inference_llamacpp_command
+    (llama_server: the binary's path on the node)."""
     if service.get("engine") == "vllm":
         return inference_vllm_command(service, worker)
+    if service.get("engine") == "llamacpp":
+        return inference_llamacpp_command(service, worker, llama_server)
     if service.get("engine") == "command":
         uuids = [str(uuid) for uuid in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]]
         values = {
@@ -1242,4 +1318,53 @@ def inference_vllm_command(service: Mapping[str, Any], worker: Mapping[str, Any]
     ]
     if vllm["quantization"] != "none":
         argv += ["--quantization", str(vllm["quantization"])]
+    return argv
+
+
+def llamacpp_model_path(service: Mapping[str, Any]) -> str:
+    """Return the GGUF file's path on a node: the role copies the file into the service's model_dir."""
+    return f"{str(service.get('model_dir')).rstrip('/')}/{str(service.get('model')).rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def inference_llamacpp_command(
+    service: Mapping[str, Any], worker: Mapping[str, Any], llama_server: str | None = None
+) -> list[str]:
+    """Return engine llamacpp's argv: <llama_server> -m <the GGUF in model_dir>, listening on the
+    worker's address and port, the service's name as its model (-a), concurrency slots (-np), each
+    holding max_input_tokens + max_new_tokens (-c, llamacpp_context), max_new_tokens as the default
+    completion length (-n), /metrics on, every layer on the GPU (-ngl all: a CPU build ignores it, with
+    a warning), the layers split evenly over gpus_per_worker GPUs (--tensor-split 1,1[,...]),
+    --embeddings for task embeddings, no web UI. No API key: the gateway checks the clients' keys and
+    takes the header off, and the firewall admits only the gateway (and Prometheus)."""
+    problems = _bad_llamacpp(service)
+    if problems:
+        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+    if not llama_server:
+        raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
+    argv = [
+        str(llama_server),
+        "--model",
+        llamacpp_model_path(service),
+        "--alias",
+        str(service.get("name")),
+        "--host",
+        str(worker.get("address")),
+        "--port",
+        str(worker.get("port")),
+        "--parallel",
+        str(service.get("concurrency")),
+        "--ctx-size",
+        str(llamacpp_context(service)),
+        "--n-predict",
+        str(service.get("max_new_tokens")),
+        "--n-gpu-layers",
+        "all",
+        "--metrics",
+        "--no-webui",
+    ]
+    gpus = _per_worker(service)
+    if gpus > 1:
+        argv += ["--tensor-split", ",".join(["1"] * gpus)]
+    if service.get("task") == "embeddings":
+        argv.append("--embeddings")
     return argv
