@@ -11,6 +11,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.disruption impor
     pending_extend,
     reboot_decision,
     restart_decision,
+    slurm_drain_action,
 )
 
 
@@ -23,6 +24,7 @@ class FilterModule:
             "disruption_restart": restart_decision,
             "disruption_reboot": reboot_decision,
             "disruption_job_action": job_action,
+            "disruption_slurm_drain": slurm_drain_action,
             "pending_add": pending_add,
             "pending_extend": pending_extend,
         }

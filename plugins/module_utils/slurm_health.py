@@ -13,13 +13,18 @@ import stat
 from typing import Any
 
 # Every reason this check sets starts so; it resumes only such nodes: never a person's drain, nor the
-# nightly run's ("budgetgpu: nightly: ...", plugin_utils/disruption.py).
+# nightly run's ("budgetgpu: pending ...", plugin_utils/disruption.py slurm_drain_action).
 REASON_PREFIX = "budgetgpu: GPU "
 # The watch's state is a few KiB: a larger file is not the watch's.
 MAX_STATE_BYTES = 1 << 20
 _XID = re.compile(r"\bXid (\d+)")
 # Slurm keeps a reason to what a shell and its log show plainly.
 _UNSAFE = re.compile(r"[^A-Za-z0-9 .,:_/()+-]")
+
+
+def safe_reason(text: str) -> str:
+    """Return text without the characters a Slurm reason should not hold (sinfo's | separated output, a shell)."""
+    return _UNSAFE.sub("", text)
 
 
 def read_state(path: str) -> dict[str, Any] | None:
@@ -63,7 +68,7 @@ def drain_reason(state: dict[str, Any]) -> str | None:
         cause = f"Xid {xid.group(1)}" if xid else ("quarantined" if why.get("by") != "inventory" else "listed")
         words.append(f"GPU {_bus_id(state, str(uuid))} {cause}")
     more = f" +{len(words) - 1} more" if len(words) > 1 else ""
-    return _UNSAFE.sub("", f"budgetgpu: {words[0]}{more}")
+    return safe_reason(f"budgetgpu: {words[0]}{more}")
 
 
 def health_action(state: dict[str, Any] | None, node_state: str, node_reason: str) -> dict[str, str]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.slurm_health import safe_reason
+
 REASON_NO_FACT = (
     "budgetgpu_disruption_allowed is not set (the probe role did not run): nothing is interrupted without it"
 )
@@ -108,6 +110,77 @@ def job_action(
     if not verdict["allowed"]:
         return {"action": "pending", "reason": f"inputs changed; {verdict['reason']}"}
     return {"action": "restart", "reason": "inputs changed"}
+
+
+# The reason the nightly run drains a Slurm node under (slurm_drain_for_changes); it resumes only nodes
+# drained so. The health check (module_utils/slurm_health.py) resumes only its "budgetgpu: GPU ..." drains.
+DRAIN_PREFIX = "budgetgpu: pending "
+# How probe_slurm_jobs names a Slurm job in budgetgpu_jobs_active ("slurm job 41", "slurm jobs unknown (...)").
+SLURM_JOB_PREFIX = "slurm job"
+
+
+def waiting_for_jobs(pending: Any) -> list[str]:
+    """Return the budgetgpu_pending items deferred because a job runs (their why holds REASON_JOB_RUNS):
+    the changes a drained, idle node would let apply."""
+    return [str(item) for item in (pending or []) if REASON_JOB_RUNS in str(item)]
+
+
+def drain_reason(waiting: list[str]) -> str:
+    """Return the Slurm reason naming the first waiting change ("budgetgpu: pending nvidia_driver: reboot
+    pending +1 more"): "<role>: <what>" of its pending item, without the why."""
+    more = f" +{len(waiting) - 1} more" if len(waiting) > 1 else ""
+    return safe_reason(f"{DRAIN_PREFIX}{waiting[0].split(' (')[0]}{more}")
+
+
+def _held_by_others(jobs_active: Any) -> list[str]:
+    """The running work Slurm does not schedule (job units): a drain would not free the node of it."""
+    return [str(job) for job in (jobs_active or []) if not str(job).startswith(SLURM_JOB_PREFIX)]
+
+
+def slurm_drain_action(
+    enabled: Any, pending: Any, jobs_active: Any, node_state: Any, node_reason: Any
+) -> dict[str, str]:
+    """What the run does with a Slurm node whose changes wait for its jobs: action "none", "defer" (they
+    wait, reported pending), "drain" (opt-in: no new job lands there; the changes apply on a run that
+    finds it idle), "apply" (drained by us and idle: the next run applies them) or "resume" (drained by us
+    and nothing waits any more: the changes applied, or the mode is off).
+
+    enabled is slurm_drain_for_changes; pending is budgetgpu_pending of this run; jobs_active is the
+    probe's budgetgpu_jobs_active; node_state and node_reason are sinfo's %T and %E for the node (empty
+    when slurmctld did not answer). Only a drain whose reason starts with DRAIN_PREFIX is ours to resume
+    or replace: a person's drain is never touched."""
+    state, reason = str(node_state or "").lower(), str(node_reason or "")
+    if not state:
+        return {"action": "defer", "reason": "slurmctld did not say the node's state: no change"}
+    ours = "drain" in state and reason.startswith(DRAIN_PREFIX)
+    waiting = waiting_for_jobs(pending)
+    others = _held_by_others(jobs_active)
+    if ours and not waiting:
+        return {"action": "resume", "reason": f"no change waits for the node's jobs any more (was: {reason})"}
+    if ours and not _flag(enabled):
+        return {"action": "resume", "reason": "slurm_drain_for_changes is off: budgetgpu's drain is lifted"}
+    if ours and others:
+        return {"action": "resume", "reason": f"{', '.join(others)} run outside Slurm: a drain would not free the node"}
+    if not waiting:
+        return {"action": "none", "reason": "no change waits for the node's jobs"}
+    if not _flag(enabled):
+        return {"action": "defer", "reason": "changes wait for the node's jobs; slurm_drain_for_changes is off"}
+    if "drain" in state and not ours:
+        return {"action": "defer", "reason": f"drained by someone else ({reason}): theirs to resume; changes wait"}
+    if others:
+        return {"action": "defer", "reason": f"{', '.join(others)} run outside Slurm: a drain would not free the node"}
+    return _drain_or_wait(state, reason, drain_reason(waiting), jobs_active)
+
+
+def _drain_or_wait(state: str, reason: str, wanted: str, jobs_active: Any) -> dict[str, str]:
+    """A node with waiting changes, the mode on, no person's drain and only Slurm's jobs: drain it (or name
+    the changes anew), wait while its jobs end, and once idle under our drain let the next run apply."""
+    if state.startswith("drained"):
+        return {"action": "apply", "reason": f"drained and idle ({reason}): the next run applies the changes"}
+    if "drain" in state and reason == wanted:
+        jobs = ", ".join(str(job) for job in jobs_active or []) or "its jobs"
+        return {"action": "defer", "reason": f"draining ({reason}): the changes apply once {jobs} end"}
+    return {"action": "drain", "reason": wanted}
 
 
 def pending_add(pending: Any, role: str, what: str, why: str = "") -> list[str]:

@@ -97,6 +97,7 @@ def test_read_state_refuses_what_it_cannot_trust(tmp_path, kind):
 
 
 def test_the_nightly_runs_drain_is_not_resumed_by_the_health_check():
-    nightly = "budgetgpu: nightly: changes wait for the node's jobs to end"
+    # plugin_utils/disruption.py's drain_reason (slurm_drain_for_changes): not the health check's to resume.
+    nightly = "budgetgpu: pending nvidia_driver: reboot pending"
     assert health_action(RELEASED, "drained", nightly)["action"] == "none"
     assert health_action(OUT, "drained", nightly)["action"] == "none"
