@@ -954,3 +954,46 @@ def test_vllm_max_model_len_sizes_the_kv_cache():
     assert default == 2 * 32 * 32 * 128 * 2304 * 2 and long == 4 * default
     assert m.inference_context_tokens(services(vllm_chat(max_model_len=9216))[0]) == 9216
     assert m.inference_context_tokens(services(chat(vllm={"max_model_len": 9216}))[0]) == 2304
+
+
+def llama(**keys) -> dict:
+    return chat(**{"engine": "llamacpp", "model": "/srv/models/tiny-q4_k_m.gguf", **keys})
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        (llama(model="/srv/models/llama"), "model: found '/srv/models/llama', expected a GGUF file (*.gguf)"),
+        (llama(command="llama-server -m x --port {port}"), "expected none with engine llamacpp"),
+        (llama(quantization="4bit"), "quantization: found 4bit with engine llamacpp, expected none"),
+        (llama(concurrency=300), "concurrency: found 300, expected at most 256 llama-server slots (-np)"),
+        (llama(max_input_tokens=600000, max_new_tokens=1000, concurrency=2), "found 1202000 tokens over 2 slots"),
+    ],
+)
+def test_a_bad_llamacpp_service_is_refused_naming_key_found_and_expected(service, expected):
+    message = refused(service)
+    assert expected in message and message.startswith("inference_services[0] (chat): ")
+
+
+def test_llamacpp_serves_the_gguf_with_one_slot_per_request_and_no_key():
+    service = services(llama(concurrency=4, max_input_tokens=200, max_new_tokens=56))[0]
+    assert m.llamacpp_context(service) == 1024  # (200 + 56) x 4 slots: llama-server splits -c over -np
+    argv = m.inference_worker_command(service, worker(service), None, None, "/usr/local/lib/budgetgpu/llama-server")
+    assert argv[:3] == [
+        "/usr/local/lib/budgetgpu/llama-server",
+        "--model",
+        "/var/lib/budgetgpu/models/chat/tiny-q4_k_m.gguf",
+    ]
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--alias"] == "chat" and pairs["--port"] == str(worker(service)["port"])
+    assert pairs["--parallel"] == "4" and pairs["--ctx-size"] == "1024" and pairs["--n-predict"] == "56"
+    assert "--metrics" in argv and "--tensor-split" not in argv and "--embeddings" not in argv
+    assert not any("key" in arg.lower() for arg in argv)
+
+
+def test_llamacpp_splits_a_worker_over_its_gpus_and_needs_the_binary():
+    service = services(llama(gpus_per_worker=2))[0]
+    argv = m.inference_worker_command(service, worker(service), None, None, "/opt/llama-server")
+    assert argv[argv.index("--tensor-split") + 1] == "1,1"
+    with pytest.raises(ValueError, match="llama_server: found none, expected llama-server's path"):
+        m.inference_worker_command(service, worker(service))
