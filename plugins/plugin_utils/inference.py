@@ -1285,37 +1285,38 @@ def inference_worker_command(
     ]
 
 
+def _flags(options: Mapping[str, Any]) -> list[str]:
+    """Return {flag: value} as argv, flag then value, in the mapping's order."""
+    return [part for flag, value in options.items() for part in (flag, str(value))]
+
+
+def _raise_first(service: Mapping[str, Any], problems: list[str]) -> None:
+    """Refuse to render a service that preflight would have refused, with its first problem."""
+    if problems:
+        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+
+
 def inference_vllm_command(service: Mapping[str, Any], worker: Mapping[str, Any]) -> list[str]:
     """Return engine vllm's argv: <vllm.venv>/bin/vllm serve <model_dir>, listening on the worker's
     address and port, serving the service's name, tensor-parallel over its gpus_per_worker GPUs, with
     the dtype, the context (inference_context_tokens), concurrency as --max-num-seqs (the gateway sends
     a worker concurrency + queue requests), the memory share and vLLM's quantisation method. No API
     key: the gateway checks the clients' keys and the firewall admits only it (and Prometheus)."""
-    problems = _bad_vllm(service)
-    if problems:
-        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+    _raise_first(service, _bad_vllm(service))
     vllm = service["vllm"]
-    argv = [
-        f"{str(vllm['venv']).rstrip('/')}/bin/vllm",
-        "serve",
-        str(service.get("model_dir")),
-        "--host",
-        str(worker.get("address")),
-        "--port",
-        str(worker.get("port")),
-        "--served-model-name",
-        str(service.get("name")),
-        "--tensor-parallel-size",
-        str(_per_worker(service)),
-        "--dtype",
-        str(service.get("dtype")),
-        "--max-model-len",
-        str(inference_context_tokens(service)),
-        "--max-num-seqs",
-        str(service.get("concurrency")),
-        "--gpu-memory-utilization",
-        f"{vllm['gpu_memory_utilization']:g}",
-    ]
+    argv = [f"{str(vllm['venv']).rstrip('/')}/bin/vllm", "serve", str(service.get("model_dir"))]
+    argv += _flags(
+        {
+            "--host": worker.get("address"),
+            "--port": worker.get("port"),
+            "--served-model-name": service.get("name"),
+            "--tensor-parallel-size": _per_worker(service),
+            "--dtype": service.get("dtype"),
+            "--max-model-len": inference_context_tokens(service),
+            "--max-num-seqs": service.get("concurrency"),
+            "--gpu-memory-utilization": f"{vllm['gpu_memory_utilization']:g}",
+        }
+    )
     if vllm["quantization"] != "none":
         argv += ["--quantization", str(vllm["quantization"])]
     return argv
@@ -1336,32 +1337,23 @@ def inference_llamacpp_command(
     a warning), the layers split evenly over gpus_per_worker GPUs (--tensor-split 1,1[,...]),
     --embeddings for task embeddings, no web UI. No API key: the gateway checks the clients' keys and
     takes the header off, and the firewall admits only the gateway (and Prometheus)."""
-    problems = _bad_llamacpp(service)
-    if problems:
-        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+    _raise_first(service, _bad_llamacpp(service))
     if not llama_server:
         raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
-    argv = [
-        str(llama_server),
-        "--model",
-        llamacpp_model_path(service),
-        "--alias",
-        str(service.get("name")),
-        "--host",
-        str(worker.get("address")),
-        "--port",
-        str(worker.get("port")),
-        "--parallel",
-        str(service.get("concurrency")),
-        "--ctx-size",
-        str(llamacpp_context(service)),
-        "--n-predict",
-        str(service.get("max_new_tokens")),
-        "--n-gpu-layers",
-        "all",
-        "--metrics",
-        "--no-webui",
-    ]
+    argv = [str(llama_server)]
+    argv += _flags(
+        {
+            "--model": llamacpp_model_path(service),
+            "--alias": service.get("name"),
+            "--host": worker.get("address"),
+            "--port": worker.get("port"),
+            "--parallel": service.get("concurrency"),
+            "--ctx-size": llamacpp_context(service),
+            "--n-predict": service.get("max_new_tokens"),
+            "--n-gpu-layers": "all",
+        }
+    )
+    argv += ["--metrics", "--no-webui"]
     gpus = _per_worker(service)
     if gpus > 1:
         argv += ["--tensor-split", ",".join(["1"] * gpus)]
