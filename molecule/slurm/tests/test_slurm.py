@@ -248,3 +248,55 @@ def test_the_report_sums_a_jobs_gpu_energy_over_its_nodes_and_per_user(playbook)
     assert done.returncode == 0, done.stdout[-2000:]
     assert f"job {job} (nobody, 2 GPU(s) on slurm-node1, slurm-node2): " in done.stdout, done.stdout[-2000:]
     assert "Slurm jobs: " in done.stdout and "user nobody: " in done.stdout and "not read" not in done.stdout
+
+
+def node_line(name: str) -> str:
+    """scontrol's State= and Reason= of a node, as one string."""
+    shown = host(CONTROLLER).check_output(f"scontrol show node {name}")
+    return " ".join(part for part in shown.split() if part.startswith(("State=", "Reason=")))
+
+
+def test_drain_first_holds_a_slurmd_restart_for_a_job_then_applies_it_and_resumes(playbook) -> None:
+    """slurm_drain_for_changes: a configuration slurmd has not read waits for the job on the node (no
+    restart), the node is drained with budgetgpu's reason so no new job lands there; once the job ends a
+    run restarts slurmd and the node is resumed (plugins/plugin_utils/disruption.py slurm_drain_action)."""
+    node = host("slurm-node1")
+    args = ("-e", "budgetgpu_safe_mode=true", "-e", "slurm_drain_for_changes=true",
+            "--tags", "probe,slurm_run,slurm_drain")  # fmt: skip
+    job = (
+        host(CONTROLLER)
+        .check_output(
+            "cd /tmp && runuser -u nobody -- sbatch --parsable -w slurm-node1 --output=/dev/null --wrap 'sleep 300'"
+        )
+        .strip()
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while f" {job} " not in node.run("scontrol listpids").stdout:
+            assert time.monotonic() < deadline, f"job {job} has no step on slurm-node1"
+            time.sleep(1)
+        pid = node.check_output("cat /run/slurmd.pid")
+        node.check_output("touch /etc/slurm/cgroup.conf")
+        done = playbook("slurm.yml", *args)
+        assert done.returncode == 0, done.stdout[-3000:]
+        assert node.check_output("cat /run/slurmd.pid") == pid, "slurmd restarted under a running job"
+        line = node_line("slurm-node1")
+        assert (
+            "DRAIN" in line and "Reason=budgetgpu: pending slurm: slurmd restart pending: cgroup.conf changed" in line
+        )
+        host(CONTROLLER).check_output(f"scancel {job}")
+        deadline = time.monotonic() + 60
+        while f" {job} " in node.run("scontrol listpids").stdout:
+            assert time.monotonic() < deadline, f"job {job} still has a step after scancel"
+            time.sleep(1)
+        for _run in range(2):  # the restart, then the resume (one run may do both)
+            done = playbook("slurm.yml", *args)
+            assert done.returncode == 0, done.stdout[-3000:]
+            if "DRAIN" not in node_line("slurm-node1"):
+                break
+        assert node.check_output("cat /run/slurmd.pid") != pid, "slurmd did not read the changed configuration"
+        assert "DRAIN" not in node_line("slurm-node1") and "budgetgpu" not in node_line("slurm-node1")
+    finally:
+        host(CONTROLLER).run(f"scancel {job}")
+        if "Reason=budgetgpu: pending" in node_line("slurm-node1"):
+            host(CONTROLLER).run("scontrol update NodeName=slurm-node1 State=RESUME")
