@@ -280,7 +280,7 @@ def error_of(answer: dict) -> dict:
 def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
     url = f"http://{gateway}:{EMBED_GATEWAY}"
     body = {"model": "embed", "input": "cat"}
-    missing, bad, folded, good, health, metrics = requests(
+    missing, bad, folded, good, health, metrics, admin = requests(
         OTHER,
         [
             {"url": f"{url}/v1/embeddings", "body": body},
@@ -290,6 +290,7 @@ def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
             {"url": f"{url}/v1/embeddings", "body": body, "headers": AUTH},
             {"url": f"{url}/health"},
             {"url": f"{url}/metrics", "headers": AUTH},
+            {"url": f"{url}/pause", "body": {}, "headers": AUTH},  # vLLM's; no engine's own path passes
         ],
     )
     assert missing["status"] == 401 and error_of(missing)["code"] == "missing_api_key", missing
@@ -298,6 +299,7 @@ def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
     assert good["status"] == 200, good
     assert health["status"] == 200 and json.loads(health["body"])["status"] == "ok", health
     assert metrics["status"] == 404 and "not served through the gateway" in error_of(metrics)["message"], metrics
+    assert admin["status"] == 404 and "only /v1/ and /health" in error_of(admin)["message"], admin
     # The keys: root's, 0640, in no file that others read; Debian's default site is gone.
     assert sh(GATEWAY, "stat -c '%U %a' /etc/nginx/budgetgpu-keys/embed.map").split() == ["root", "640"]
     assert sh(GATEWAY, "stat -c '%a' /etc/nginx/budgetgpu-keys").strip() == "750"
