@@ -251,9 +251,14 @@ def test_the_report_sums_a_jobs_gpu_energy_over_its_nodes_and_per_user(playbook)
 
 
 def node_line(name: str) -> str:
-    """scontrol's State= and Reason= of a node, as one string."""
+    """scontrol's State= and Reason= of a node, as one string. Reason= holds spaces and runs to the end of
+    its line ("Reason=budgetgpu: pending ... [root@2026-12-02T06:10:11]")."""
     shown = host(CONTROLLER).check_output(f"scontrol show node {name}")
-    return " ".join(part for part in shown.split() if part.startswith(("State=", "Reason=")))
+    parts = []
+    for row in shown.splitlines():
+        row = row.strip()
+        parts += [row] if row.startswith("Reason=") else [part for part in row.split() if part.startswith("State=")]
+    return " ".join(parts)
 
 
 def test_drain_first_holds_a_slurmd_restart_for_a_job_then_applies_it_and_resumes(playbook) -> None:
