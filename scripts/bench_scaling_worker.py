@@ -239,9 +239,9 @@ def main() -> int:
         for ratio in ratios:
             shape(rates[ratio])
             bench.dist.barrier()
-            four, two = args.options4.split(","), [o for o in args.options2.split(",") if o]
+            four, two = ([o for o in text.split(",") if o] for text in (args.options4, args.options2))
             blocks = ((4, four), (2, two)) if ratio == ratios[-1] else ((4, four),)
-            for nodes, options in blocks:
+            for nodes, options in (block for block in blocks if block[1]):  # --options2 "": no 2-node rows
                 for option in options[shift % len(options) :] + options[: shift % len(options)]:
                     row = bench.run(option, nodes)
                     bench.dist.barrier()

@@ -22,6 +22,8 @@ OPTIONS = {
     "none": helper.CommSettings(),
     "fp16": helper.CommSettings(gradient_compression="fp16"),
     "powersgd": helper.CommSettings(gradient_compression="powersgd", powersgd_start_step=2),
+    # Several buckets: on gloo, PowerSGD's chained all-reduces of one bucket raced the next bucket's.
+    "powersgd_buckets": helper.CommSettings(gradient_compression="powersgd", powersgd_start_step=2, bucket_cap_mb=0.05),
     "bucket_cap_mb": helper.CommSettings(bucket_cap_mb=0.05),
     "accumulate_steps": helper.CommSettings(accumulate_steps=3),
 }
