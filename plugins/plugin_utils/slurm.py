@@ -236,6 +236,31 @@ def mem_per_cpu(node: Mapping[str, Any]) -> int:
 _GRES_FOUND = re.compile(r"Gres Name=gpu Type=(\S+) .*File=(\S+)")
 
 
+PORT_RANGE = re.compile(r"\s*(\d+)\s*-\s*(\d+)\s*")
+
+
+def port_range_problems(ranges: Mapping[str, Any], host: str) -> list[str]:
+    """Return a message naming the host and the variable for each of `ranges` ({variable: "LOW-HIGH"})
+    that is not a range within 1024-65535, and for each two that overlap (srun's I/O ports and the
+    batch jobs' rendezvous ports must not meet: the firewall and the jobs read each from its own)."""
+    problems: list[str] = []
+    bounds: dict[str, tuple[int, int]] = {}
+    for name, text in ranges.items():
+        match = PORT_RANGE.fullmatch(str(text))
+        if match and 1024 <= int(match[1]) <= int(match[2]) <= 65535:
+            bounds[name] = (int(match[1]), int(match[2]))
+        else:
+            problems.append(f"{host}: {name}: found {text!r}, expected a port range LOW-HIGH within 1024-65535")
+    names = sorted(bounds)
+    for index, name in enumerate(names):
+        for other in names[index + 1 :]:
+            if bounds[name][0] <= bounds[other][1] and bounds[other][0] <= bounds[name][1]:
+                problems.append(
+                    f"{host}: {name} ({ranges[name]}) overlaps {other} ({ranges[other]}), expected separate ranges"
+                )
+    return problems
+
+
 def gres_problems(node: Mapping[str, Any], slurmd_output: str) -> list[str]:
     """Return what differs between the node's GPUs (slurm_node) and what `slurmd -G` found in gres.conf
     on the node, one line per GPU naming host, GPU and both sides; slurmd's own error where it stopped

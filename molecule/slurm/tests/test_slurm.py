@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -19,6 +20,8 @@ CONTROLLER = "slurm-controller"
 NODES = ("slurm-node1", "slurm-node2")
 NETWORK = "budgetgpu-molecule-slurm"
 PROFILES = Path(__file__).resolve().parents[3] / "roles" / "gpu_sim" / "files" / "profiles"
+# The example job and its helper, as a user would bring their own training script.
+EXAMPLE = Path(__file__).resolve().parents[3] / "roles" / "torchrun" / "files"
 STATE = Path(os.environ.get("MOLECULE_EPHEMERAL_DIRECTORY", "/nonexistent")) / "state"
 # The GRES types the issue names for these PCI device ids; node2's GPU 2 (an RTX 4090) serves the
 # inventory's inference service, so Slurm must not have it.
@@ -139,15 +142,31 @@ def _address(container: str) -> str:
     return out.strip()
 
 
-@pytest.mark.parametrize(("name", "port"), [(CONTROLLER, 6817), ("slurm-node1", 6818), ("slurm-node1", 60001)])
+def listen(name: str, port: int) -> None:
+    """A listener of nobody's on the port for 30 s, where nothing of Slurm's listens between jobs (srun's
+    range, the batch jobs' rendezvous range): without one, a refused connection proves nothing."""
+    server = f"import socket, time; server = socket.create_server(('', {port})); time.sleep(30)"
+    node = host(name)
+    node.run(f"setsid runuser -u nobody -- timeout 30 python3 -c {shlex.quote(server)} >/dev/null 2>&1 &")
+    deadline = time.monotonic() + 10
+    while f":{port} " not in node.run("ss -Htln").stdout:
+        assert time.monotonic() < deadline, f"{name}: nothing listens on {port}"
+        time.sleep(0.2)
+
+
+# slurmctld, slurmd, srun's I/O range (on the host that runs srun) and the batch jobs' rendezvous range.
+@pytest.mark.parametrize(
+    ("name", "port"), [(CONTROLLER, 6817), ("slurm-node1", 6818), (CONTROLLER, 60001), ("slurm-node1", 29650)]
+)
 def test_slurms_ports_refuse_a_host_outside_the_cluster(name: str, port: int) -> None:
+    if port not in (6817, 6818):
+        listen(name, port)
     # This machine is on the scenario's network (its gateway) but is no cluster host: the table resets it.
     with pytest.raises(ConnectionRefusedError), socket.create_connection((_address(name), port), timeout=10):
         pass
-    # The cluster's own hosts reach the port (slurmd answers; nothing listens on the srun range).
-    if port != 60001:
-        reach = host(NODES[1]).run(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{_address(name)}/{port}'")
-        assert reach.rc == 0, reach.stderr
+    # The cluster's own hosts reach the port.
+    reach = host(NODES[1]).run(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{_address(name)}/{port}'")
+    assert reach.rc == 0, reach.stderr
 
 
 def test_the_batch_script_puts_the_rendezvous_on_the_first_nodes_cluster_address() -> None:
@@ -163,9 +182,74 @@ def test_the_batch_script_puts_the_rendezvous_on_the_first_nodes_cluster_address
     assert [line.split(":")[0] for line in lines] == list(NODES)
     for line, name in zip(lines, NODES, strict=True):
         assert f"--rdzv-endpoint={first}:" in line
+        assert f"--rdzv-conf=is_host={int(name == NODES[0])} " in line
         assert f"--local-addr={_address(name)}" in line
         assert "--nnodes=2 --nproc-per-node=2" in line
         assert line.endswith(" train.py --steps 5")
+
+
+def job_state(job: str) -> str:
+    shown = host(CONTROLLER).run(f"scontrol show job {job}").stdout
+    return next((part.split("=", 1)[1] for part in shown.split() if part.startswith("JobState=")), "GONE")
+
+
+def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
+    """A 2-node torchrun job through torchrun.sbatch (the example train_ddp.py, gloo on CPU, one process per
+    node) that Slurm requeues after its first checkpoint: the requeue's SIGTERM stops it at one step with a
+    checkpoint, the same job id starts again and resumes from that step, and finishes. Its checkpoints lie in
+    <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes."""
+    if not host("slurm-node1").file("/opt/budgetgpu/venv/bin/torchrun").exists:
+        # Only where converge made no venv on purpose (Debian 13: no torch for its Python in the wheelhouse).
+        assert host("slurm-node1").file("/etc/debian_version").content_string.startswith("13"), "no torch venv"
+        pytest.skip("no torch venv on Debian 13 nodes (the wheelhouse holds torch for Python 3.11 only)")
+    for name in NODES:
+        subprocess.run(["docker", "exec", name, "install", "-d", "-m", "0755", "/tmp/job"], check=True)
+        for file in ("train_ddp.py", "budgetgpu_straggler.py"):
+            # docker cp cannot write into the node's /tmp (a tmpfs): through cat instead.
+            subprocess.run(
+                ["docker", "exec", "-i", name, "sh", "-c", f"umask 022 && cat > /tmp/job/{file}"],
+                input=(EXAMPLE / file).read_bytes(),
+                check=True,
+            )
+    ctl, node = host(CONTROLLER), host("slurm-node1")
+    job = ctl.check_output(
+        "cd /tmp && runuser -u nobody -- sbatch --parsable --nodes=2 --gres=gpu:rtx3090:1 --output=/tmp/train-%j.out"
+        " /opt/budgetgpu/slurm/torchrun.sbatch /tmp/job/train_ddp.py --max-steps 150 --step-sleep 0.1"
+        " --checkpoint-every-steps 20 --checkpoint-every-minutes 0 --data-workers 0 --straggler-every-steps 0"
+    ).strip()
+
+    def output() -> str:
+        return node.run(f"cat /tmp/train-{job}.out").stdout
+
+    def wait(done, what: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not done():
+            assert time.monotonic() < deadline, f"job {job}: {what} (state {job_state(job)}): {output()[-3000:]}"
+            time.sleep(1)
+
+    try:
+        wait(lambda: "checkpoint step=" in output(), "no checkpoint", 240)
+        ctl.check_output(f"scontrol requeue {job}")
+        # A requeued batch job may start again only after AuthInfo's cred_expire (120 s by default): a person
+        # may start it at once, as here.
+        wait(lambda: job_state(job) == "PENDING", "not pending after the requeue", 90)
+        ctl.check_output(f"scontrol update JobId={job} StartTime=now")
+        wait(lambda: job_state(job) in ("COMPLETED", "FAILED", "CANCELLED", "GONE"), "did not end", 300)
+    finally:
+        ctl.run(f"scancel {job}")
+    text = output()
+    assert job_state(job) == "COMPLETED", text[-3000:]
+    stopped = re.search(r"stopped at step (\d+)", text)
+    assert stopped, text[-3000:]
+    step = int(stopped[1])
+    assert step >= 20 and f"checkpoint step={step} " in text, text[-3000:]
+    assert f"resumed from step {step} " in text[stopped.end() :], text[-3000:]
+    assert "finished at step 150" in text, text[-3000:]
+    mine = "/var/lib/budgetgpu/slurm-checkpoints/nobody"
+    for name in NODES:
+        found = host(name).run(f"stat -c '%U %a' {mine} && ls {mine}/{job}")
+        assert found.rc == 0 and found.stdout.startswith("nobody 700\n"), (name, found.stdout, found.stderr)
+        assert "step-00000150.pt" in found.stdout, (name, found.stdout)
 
 
 def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
@@ -205,23 +289,24 @@ PROBE_JOBS = """
 """
 
 
+def sleeping_job_on_node1() -> str:
+    """Submit a job of nobody's that sleeps on slurm-node1; return its id once it has a step there."""
+    job = host(CONTROLLER).check_output(
+        "cd /tmp && runuser -u nobody -- sbatch --parsable -w slurm-node1 --output=/dev/null --wrap 'sleep 300'"
+    )
+    job, deadline = job.strip(), time.monotonic() + 60
+    # `scontrol listpids` exits 1 on a node without a job step: read its output whatever the status.
+    while f" {job} " not in host("slurm-node1").run("scontrol listpids").stdout:
+        assert time.monotonic() < deadline, f"job {job} has no step on slurm-node1"
+        time.sleep(1)
+    return job
+
+
 def test_a_running_slurm_job_holds_off_the_nightly_runs_disruptions(tmp_path, playbook) -> None:
     """A Slurm job on the node is a running job to safe mode, as a job unit is: the nightly run's driver
     change or reboot waits for it (plugins/plugin_utils/disruption.py)."""
-    job = (
-        host(CONTROLLER)
-        .check_output(
-            "cd /tmp && runuser -u nobody -- sbatch --parsable -w slurm-node1 --output=/dev/null --wrap 'sleep 300'"
-        )
-        .strip()
-    )
+    job = sleeping_job_on_node1()
     try:
-        node = host("slurm-node1")
-        deadline = time.monotonic() + 60
-        # `scontrol listpids` exits 1 on a node without a job step: read its output whatever the status.
-        while f" {job} " not in node.run("scontrol listpids").stdout:
-            assert time.monotonic() < deadline, f"job {job} has no step on slurm-node1"
-            time.sleep(1)
         (tmp_path / "probe-jobs.yml").write_text(PROBE_JOBS)
         done = playbook(str(tmp_path / "probe-jobs.yml"))
         assert done.returncode == 0, done.stdout[-2000:]
@@ -268,18 +353,8 @@ def test_drain_first_holds_a_slurmd_restart_for_a_job_then_applies_it_and_resume
     node = host("slurm-node1")
     args = ("-e", "budgetgpu_safe_mode=true", "-e", "slurm_drain_for_changes=true",
             "--tags", "probe,slurm_run,slurm_drain")  # fmt: skip
-    job = (
-        host(CONTROLLER)
-        .check_output(
-            "cd /tmp && runuser -u nobody -- sbatch --parsable -w slurm-node1 --output=/dev/null --wrap 'sleep 300'"
-        )
-        .strip()
-    )
+    job = sleeping_job_on_node1()
     try:
-        deadline = time.monotonic() + 60
-        while f" {job} " not in node.run("scontrol listpids").stdout:
-            assert time.monotonic() < deadline, f"job {job} has no step on slurm-node1"
-            time.sleep(1)
         pid = node.check_output("cat /run/slurmd.pid")
         node.check_output("touch /etc/slurm/cgroup.conf")
         done = playbook("slurm.yml", *args)

@@ -232,3 +232,24 @@ def test_costs_take_the_guides_price_and_skip_what_is_not_a_record():
     costs = slurm.job_costs({"node1": [_record("7", "ana", 1.0), "junk", {"job": "8"}], "node2": None})
     assert costs["lines"] == ["Slurm jobs: 1, GPU energy at $0.12/kWh", "  user ana: 1 job(s), 1.000 kWh, $0.12",
                               "  job 7 (ana, 2 GPU(s) on node1): 1.000 kWh, $0.12"]  # fmt: skip
+
+
+def test_port_ranges_that_are_good_and_apart_have_no_problem():
+    ranges = {"slurm_srun_port_range": "60001-60100", "slurm_rendezvous_ports": " 29600 - 29999 "}
+    assert slurm.port_range_problems(ranges, "node1") == []
+
+
+@pytest.mark.parametrize("bad", ["29600", "29999-29600", "80-90", "29600-70000", "a-b", None])
+def test_a_port_range_that_is_not_one_names_the_host_the_variable_and_what_was_found(bad):
+    problems = slurm.port_range_problems({"slurm_rendezvous_ports": bad}, "node1")
+    assert problems == [
+        f"node1: slurm_rendezvous_ports: found {bad!r}, expected a port range LOW-HIGH within 1024-65535"
+    ]
+
+
+def test_overlapping_port_ranges_are_refused_by_name():
+    ranges = {"slurm_srun_port_range": "29900-30100", "slurm_rendezvous_ports": "29600-29900"}
+    assert slurm.port_range_problems(ranges, "node1") == [
+        "node1: slurm_rendezvous_ports (29600-29900) overlaps slurm_srun_port_range (29900-30100),"
+        " expected separate ranges"
+    ]
