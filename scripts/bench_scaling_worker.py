@@ -230,6 +230,7 @@ def main() -> int:
     bench = Bench(args)
     ratios = [float(r) for r in args.ratios.split(",")]
     rates = calibrate(bench, ratios)
+    four, two = ([o for o in text.split(",") if o] for text in (args.options4, args.options2))
     for round_ in range(args.rounds):
         go = bench.torch.tensor([1 if time.time() < args.deadline else 0])
         bench.dist.broadcast(go, src=0)
@@ -239,7 +240,6 @@ def main() -> int:
         for ratio in ratios:
             shape(rates[ratio])
             bench.dist.barrier()
-            four, two = ([o for o in text.split(",") if o] for text in (args.options4, args.options2))
             blocks = ((4, four), (2, two)) if ratio == ratios[-1] else ((4, four),)
             for nodes, options in (block for block in blocks if block[1]):  # --options2 "": no 2-node rows
                 for option in options[shift % len(options) :] + options[: shift % len(options)]:
