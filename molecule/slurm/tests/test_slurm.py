@@ -247,9 +247,21 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
     assert "finished at step 150" in text, text[-3000:]
     mine = "/var/lib/budgetgpu/slurm-checkpoints/nobody"
     for name in NODES:
+        # Root's, the sticky root only where users may write: its parent was made 1777 by the file module once.
+        parents = host(name).check_output("stat -c '%U %a' /var/lib/budgetgpu /var/lib/budgetgpu/slurm-checkpoints")
+        assert parents.splitlines() == ["root 755", "root 1777"], (name, parents)
         found = host(name).run(f"stat -c '%U %a' {mine} && ls {mine}/{job}")
         assert found.rc == 0 and found.stdout.startswith("nobody 700\n"), (name, found.stdout, found.stderr)
         assert "step-00000150.pt" in found.stdout, (name, found.stdout)
+
+
+def test_a_checkpoint_root_in_a_directory_users_can_write_is_refused_and_nothing_changes(playbook) -> None:
+    # /tmp is 1777: a user could have made /tmp/budgetgpu-ckpt a link before root makes it.
+    done = playbook("slurm.yml", "-e", "slurm_checkpoint_root=/tmp/budgetgpu-ckpt", "--tags", "probe,slurm_preflight")
+    assert done.returncode != 0
+    said = "slurm-node1: slurm_checkpoint_root: found /tmp/budgetgpu-ckpt in /tmp (owner root, group root, mode 1777)"
+    assert said in done.stdout, done.stdout[-2000:]
+    assert not host("slurm-node1").file("/tmp/budgetgpu-ckpt").exists
 
 
 def test_each_jobs_gpu_energy_lands_in_a_root_owned_file() -> None:
