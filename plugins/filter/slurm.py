@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import slurm as _slurm
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import slurm_batch as _slurm_batch
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
 
@@ -27,4 +28,5 @@ class FilterModule:
             "slurm_gres_problems": as_filter(_slurm.gres_problems),
             "slurm_job_costs": as_filter(_slurm.job_costs),
             "slurm_port_range_problems": as_filter(_slurm.port_range_problems),
+            "slurm_batch_jobs": as_filter(_slurm_batch.batch_jobs),
         }

@@ -89,6 +89,35 @@ JOB_DEFAULTS: dict[str, Any] = {
     "enabled": True,
 }
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
+# What a job runs and how it trains, whoever starts it: a systemd unit here, a Slurm batch script
+# (role slurm's slurm_jobs takes these keys of the job model and its own for Slurm).
+TRAINING_KEYS = (
+    "script",
+    "module",
+    "args",
+    "venv",
+    "checkpoint_every_minutes",
+    "checkpoint_every_steps",
+    "straggler_every_steps",
+    "gradient_compression",
+    "powersgd_rank",
+    "powersgd_start_step",
+    "bucket_cap_mb",
+    "accumulate_steps",
+    "environment",
+)
+_INT_KEYS = (
+    "port",
+    "max_restarts",
+    "rendezvous_timeout",
+    "checkpoint_every_steps",
+    "straggler_every_steps",
+    "powersgd_rank",
+    "powersgd_start_step",
+    "accumulate_steps",
+    "nproc_per_node",
+)
+_FLOAT_KEYS = ("checkpoint_every_minutes", "bucket_cap_mb")
 STATE_ROOT = "/var/lib/budgetgpu/jobs"
 # In a job's state directory: rank 0's latest status (step, steps per second, straggler line). The
 # GPUs' energy counters at the unit's start are root's (roles/torchrun vars' records directory).
@@ -99,6 +128,20 @@ ENV_DIR = "/etc/budgetgpu/jobs"
 def unit_name(name: str) -> str:
     """Return the systemd unit of a job: "budgetgpu-job-<name>.service"."""
     return f"{UNIT_PREFIX}{name}.service"
+
+
+def coerce_numbers(job: dict[str, Any], int_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Take numbers written as strings as numbers, in place ("29500" as 29500): extra vars and some
+    inventories give them so. Other values are left for the checks to report."""
+    for key in (*_INT_KEYS, *int_keys):
+        value = job.get(key)
+        if isinstance(value, str) and value.strip().isdigit():
+            job[key] = int(value)
+    for key in _FLOAT_KEYS:
+        value = job.get(key)
+        if isinstance(value, str) and re.fullmatch(r"\d+(\.\d*)?", value.strip()):
+            job[key] = float(value)
+    return job
 
 
 def torchrun_job_normalize(
@@ -118,25 +161,7 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in {"user": user, "venv": venv}.items() if v})
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
-    # Extra vars and some inventories give numbers as strings: take "29500" as 29500.
-    for key in (
-        "port",
-        "max_restarts",
-        "rendezvous_timeout",
-        "checkpoint_every_steps",
-        "straggler_every_steps",
-        "powersgd_rank",
-        "powersgd_start_step",
-        "accumulate_steps",
-        "nproc_per_node",
-    ):
-        value = merged.get(key)
-        if isinstance(value, str) and value.strip().isdigit():
-            merged[key] = int(value)
-    for key in ("checkpoint_every_minutes", "bucket_cap_mb"):
-        value = merged.get(key)
-        if isinstance(value, str) and re.fullmatch(r"\d+(\.\d*)?", value.strip()):
-            merged[key] = float(value)
+    coerce_numbers(merged)
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
         merged["workdir"] = f"{STATE_ROOT}/{name}"
@@ -345,21 +370,31 @@ def torchrun_argv(
     return argv
 
 
+def training_environment(job: Mapping[str, Any]) -> dict[str, str]:
+    """Return the settings of a job's training that its script reads from the environment
+    (train_ddp.py's defaults, budgetgpu_straggler.CommSettings.from_env): checkpoint cadence, the
+    straggler report and DDP's communication settings. The systemd units and role slurm's batch
+    scripts both set them from here."""
+    keys = (
+        "checkpoint_every_minutes",
+        "checkpoint_every_steps",
+        "straggler_every_steps",
+        "gradient_compression",
+        "powersgd_rank",
+        "powersgd_start_step",
+        "bucket_cap_mb",
+        "accumulate_steps",
+    )
+    return {f"BUDGETGPU_{key.upper()}": str(job[key]) for key in keys}
+
+
 def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, Any]) -> dict[str, str]:
     """Return the job's env file for this host: what the collection sets, then the user's variables."""
     node = nodes.get(host) or {}
     env = {
         "BUDGETGPU_JOB": str(job["name"]),
         "BUDGETGPU_CHECKPOINT_DIR": str(job["checkpoint_dir"]),
-        "BUDGETGPU_CHECKPOINT_EVERY_MINUTES": str(job["checkpoint_every_minutes"]),
-        "BUDGETGPU_CHECKPOINT_EVERY_STEPS": str(job["checkpoint_every_steps"]),
-        "BUDGETGPU_STRAGGLER_EVERY_STEPS": str(job["straggler_every_steps"]),
-        # DDP's communication settings (budgetgpu_straggler.CommSettings.from_env).
-        "BUDGETGPU_GRADIENT_COMPRESSION": str(job["gradient_compression"]),
-        "BUDGETGPU_POWERSGD_RANK": str(job["powersgd_rank"]),
-        "BUDGETGPU_POWERSGD_START_STEP": str(job["powersgd_start_step"]),
-        "BUDGETGPU_BUCKET_CAP_MB": str(job["bucket_cap_mb"]),
-        "BUDGETGPU_ACCUMULATE_STEPS": str(job["accumulate_steps"]),
+        **training_environment(job),
         # Rank 0 writes the job's status here; train.yml -e job_state=status reads it.
         "BUDGETGPU_STATUS_FILE": f"{job['state_dir']}/{STATUS_FILE}",
         "BUDGETGPU_DIST_BACKEND": job_backend(job, node),

@@ -105,7 +105,7 @@ def preflight_script_paths(
 
 
 def _bad_identity(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> Iterator[Bad]:
-    """Name, keys, what runs, where and the master."""
+    """Name, keys, where and the master."""
     name, hosts = job.get("name"), job_hosts(job, groups)
     if not isinstance(name, str) or not JOB_NAME.fullmatch(name):
         yield (
@@ -116,14 +116,6 @@ def _bad_identity(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> It
         )
     for key in sorted(set(job) - JOB_KEYS - {"unit", "env_file", "state_dir"}):
         yield key, job[key], f"one of the known keys: {', '.join(sorted(JOB_KEYS))}", "a typo? see torchrun_jobs"
-    script, module = job.get("script"), job.get("module")
-    if bool(script) == bool(module):
-        found = f"script={script!r}, module={module!r}"
-        yield "script", found, "exactly one of script (a path on the node) or module (python -m)", ""
-    elif script is not None and not isinstance(script, str):
-        yield "script", script, "a path (string)", ""
-    if not isinstance(job.get("args"), list):
-        yield "args", job.get("args"), "a list of arguments", ""
     if not hosts:
         groups_known = ", ".join(sorted(groups))
         yield "nodes", job.get("nodes"), f"an inventory group with at least one host (groups: {groups_known})", ""
@@ -133,7 +125,7 @@ def _bad_identity(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> It
 
 
 def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
-    """Processes, port, rendezvous, restarts and checkpoint intervals."""
+    """Processes, port, rendezvous and restarts."""
     nproc = job.get("nproc_per_node")
     if nproc not in ("gpu", "auto") and (_int_or_none(nproc) is None or _int_or_none(nproc) < 1):
         yield "nproc_per_node", nproc, '"gpu" (the node\'s GPU count) or a number of 1 or more', ""
@@ -149,6 +141,25 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
     restarts = job.get("max_restarts")
     if not _is_int(restarts) or restarts < 0:
         yield "max_restarts", restarts, "a number of 0 or more", ""
+
+
+def _bad_entry_point(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """What runs: a script or a module, its arguments and its venv."""
+    script, module = job.get("script"), job.get("module")
+    if bool(script) == bool(module):
+        found = f"script={script!r}, module={module!r}"
+        yield "script", found, "exactly one of script (a path on the node) or module (python -m)", ""
+    elif script is not None and not isinstance(script, str):
+        yield "script", script, "a path (string)", ""
+    if not isinstance(job.get("args"), list):
+        yield "args", job.get("args"), "a list of arguments", ""
+    venv = job.get("venv")
+    if not isinstance(venv, str) or not venv.startswith("/") or "\n" in venv:
+        yield "venv", venv, "an absolute path", ""
+
+
+def _bad_cadence(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """Checkpoint intervals and the straggler report's."""
     minutes, steps = job.get("checkpoint_every_minutes"), job.get("checkpoint_every_steps")
     if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes < 0:
         yield "checkpoint_every_minutes", minutes, "minutes, 0 (off) or more", ""
@@ -190,13 +201,21 @@ def _bad_environment(env: Any) -> Iterator[Bad]:
             yield f"environment.{key}", value, "a string or number", ""
 
 
+def training_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """The job model's TRAINING_KEYS (what runs and how it trains, whoever starts it: a unit here, a
+    Slurm batch script in role slurm): (field, found, expected, hint) for each bad one."""
+    yield from _bad_entry_point(job)
+    yield from _bad_cadence(job)
+    yield from _bad_comm(job)
+    yield from _bad_environment(job.get("environment"))
+
+
 def _bad_runtime(job: Mapping[str, Any]) -> Iterator[Bad]:
-    """Paths, environment, user and the switches."""
-    for field in ("venv", "workdir", "checkpoint_dir"):
+    """Paths, user and the switches."""
+    for field in ("workdir", "checkpoint_dir"):
         value = job.get(field)
         if not isinstance(value, str) or not value.startswith("/") or "\n" in value:
             yield field, value, "an absolute path", ""
-    yield from _bad_environment(job.get("environment"))
     user = job.get("user")
     if not isinstance(user, str) or not USER_NAME.fullmatch(user):
         yield "user", user, "a system user name", ""
@@ -221,7 +240,7 @@ def _check_job_fields(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -
     label = str(job["name"]) if job.get("name") else None
     hosts = job_hosts(job, groups)
     where = _where(hosts)
-    bads = [*_bad_identity(job, groups), *_bad_numbers(job), *_bad_comm(job), *_bad_runtime(job)]
+    bads = [*_bad_identity(job, groups), *_bad_numbers(job), *training_bads(job), *_bad_runtime(job)]
     out = [_problem(where, label, *bad) for bad in bads]
     ranks = job.get("node_ranks")
     for host in sorted(set(ranks) - set(hosts)) if isinstance(ranks, Mapping) else []:
@@ -382,7 +401,7 @@ def _check_software(
     return problems + _check_same(job, digests, "torchrun_jobs", hint, master)
 
 
-def _check_compression_backend(job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any]) -> list[Problem]:
+def compression_backend_problems(job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any]) -> list[Problem]:
     """A compression the node's backend cannot run (bf16 wants NCCL; simulated nodes train with gloo)."""
     compression = job.get("gradient_compression")
     if compression not in NCCL_ONLY_COMPRESSIONS:
@@ -405,7 +424,7 @@ def _check_job_nodes(
     process_problems, process_warnings = _check_processes(job, probed, nodes, options)
     problems += process_problems + _check_ranks(job, groups, nodes) + _check_script(job, probed, nodes, options)
     problems += _check_gpu_models(job, probed, nodes, master) + _check_software(job, hosts, probed, nodes, master)
-    problems += _check_compression_backend(job, probed, nodes)
+    problems += compression_backend_problems(job, probed, nodes)
     return problems, warnings + process_warnings
 
 

@@ -154,12 +154,13 @@ def listen(name: str, port: int) -> None:
         time.sleep(0.2)
 
 
-# slurmctld, slurmd, srun's I/O range (on the host that runs srun) and the batch jobs' rendezvous range.
+# slurmctld, slurmd, slurmdbd, srun's I/O range (on the host that runs srun) and the batch jobs' rendezvous range.
 @pytest.mark.parametrize(
-    ("name", "port"), [(CONTROLLER, 6817), ("slurm-node1", 6818), (CONTROLLER, 60001), ("slurm-node1", 29650)]
+    ("name", "port"),
+    [(CONTROLLER, 6817), ("slurm-node1", 6818), (CONTROLLER, 6819), (CONTROLLER, 60001), ("slurm-node1", 29650)],
 )
 def test_slurms_ports_refuse_a_host_outside_the_cluster(name: str, port: int) -> None:
-    if port not in (6817, 6818):
+    if port not in (6817, 6818, 6819):
         listen(name, port)
     # This machine is on the scenario's network (its gateway) but is no cluster host: the table resets it.
     with pytest.raises(ConnectionRefusedError), socket.create_connection((_address(name), port), timeout=10):
@@ -194,8 +195,9 @@ def job_state(job: str) -> str:
 
 
 def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
-    """A 2-node torchrun job through torchrun.sbatch (the example train_ddp.py, gloo on CPU, one process per
-    node) that Slurm requeues after its first checkpoint: the requeue's SIGTERM stops it at one step with a
+    """A 2-node torchrun job through the batch script of slurm_jobs' entry, which runs torchrun.sbatch (the
+    example train_ddp.py, gloo on CPU, one process per node) that Slurm requeues after its first
+    checkpoint: the requeue's SIGTERM stops it at one step with a
     checkpoint, the same job id starts again and resumes from that step, and finishes. Its checkpoints lie in
     <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes."""
     if not host("slurm-node1").file("/opt/budgetgpu/venv/bin/torchrun").exists:
@@ -212,11 +214,13 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
                 check=True,
             )
     ctl, node = host(CONTROLLER), host("slurm-node1")
+    # slurm_jobs' entry (molecule.yml): 2 nodes, one rtx3090 each, checkpoints every 20 steps from its environment.
     job = ctl.check_output(
-        "cd /tmp && runuser -u nobody -- sbatch --parsable --nodes=2 --gres=gpu:rtx3090:1 --output=/tmp/train-%j.out"
-        " /opt/budgetgpu/slurm/torchrun.sbatch /tmp/job/train_ddp.py --max-steps 150 --step-sleep 0.1"
-        " --checkpoint-every-steps 20 --checkpoint-every-minutes 0 --data-workers 0 --straggler-every-steps 0"
+        "cd /tmp && runuser -u nobody -- sbatch --parsable --output=/tmp/train-%j.out"
+        " /opt/budgetgpu/slurm/jobs/resume-demo.sbatch"
     ).strip()
+    shown = ctl.check_output(f"scontrol show job {job}")
+    assert re.search(r"JobName=resume-demo\s", shown) and re.search(r"TimeLimit=00:15:00\s", shown), shown
 
     def output() -> str:
         return node.run(f"cat /tmp/train-{job}.out").stdout
@@ -253,6 +257,30 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
         found = host(name).run(f"stat -c '%U %a' {mine} && ls {mine}/{job}")
         assert found.rc == 0 and found.stdout.startswith("nobody 700\n"), (name, found.stdout, found.stderr)
         assert "step-00000150.pt" in found.stdout, (name, found.stdout)
+
+
+def test_slurmdbd_accounts_each_job_with_its_gpus_and_keeps_its_password_to_itself() -> None:
+    ctl = host(CONTROLLER)
+    conf = ctl.file("/etc/slurm/slurmdbd.conf")
+    assert (conf.user, conf.group, conf.mode) == ("slurm", "slurm", 0o600)
+    password = (STATE / "slurm" / "slurmdbd.password").read_text().strip()
+    assert (STATE / "slurm" / "slurmdbd.password").stat().st_mode & 0o777 == 0o600
+    assert len(password) == 32 and f"StoragePass={password}\n" in ctl.check_output("cat /etc/slurm/slurmdbd.conf")
+    # MariaDB answers on the loopback only; slurmdbd's port is the firewall's (the test above).
+    local = [line.split()[3] for line in ctl.check_output("ss -Htln 'sport = :3306'").splitlines()]
+    assert local and all(address.startswith(("127.0.0.1:", "[::1]:")) for address in local), local
+    job = ctl.check_output(
+        "cd /tmp && runuser -u nobody -- sbatch --parsable --wait -w slurm-node1 --gres=gpu:rtx3090:2"
+        " --output=/dev/null --wrap 'sleep 1'"
+    ).strip()
+    query = f"sacct -j {job} --allocations --noheader --parsable2 --format=JobID,User,State,AllocTRES"
+    deadline = time.monotonic() + 60
+    while "COMPLETED" not in (row := ctl.run(query).stdout):
+        assert time.monotonic() < deadline, f"sacct has no completed job {job}: {row!r}"
+        time.sleep(2)
+    assert row.startswith(f"{job}|nobody|COMPLETED|") and "gres/gpu=2" in row, row
+    # A user on a GPU node asks slurmdbd through the firewall, as a cluster host.
+    assert f"{job}|nobody|COMPLETED|" in host("slurm-node1").check_output(f"runuser -u nobody -- {query}")
 
 
 def test_a_checkpoint_root_in_a_directory_users_can_write_is_refused_and_nothing_changes(playbook) -> None:
