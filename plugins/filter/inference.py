@@ -28,5 +28,6 @@ class FilterModule:
             "inference_gateway_allow": as_filter(_inference.inference_gateway_allow),
             "inference_gateway_keys": as_filter(_inference.inference_gateway_keys),
             "inference_body_limits": as_filter(_inference.inference_body_limits),
+            "inference_context_tokens": as_filter(_inference.inference_context_tokens),
             "inference_max_conns": as_filter(_inference.inference_max_conns),
         }

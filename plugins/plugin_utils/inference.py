@@ -91,6 +91,10 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "concurrency": 1,
     "queue": 8,
     "timeout_s": 120,
+    # Engine builtin: concurrent requests share passes of the model (inference_worker.py's Batcher) after
+    # waiting up to batch_window_ms (0: each request alone), at most batch_max inputs or sequences a pass.
+    "batch_window_ms": 2,
+    "batch_max": 32,
     "port": 8100,
     "engine": "builtin",
     "command": "",
@@ -132,8 +136,11 @@ INT_FIELDS = {  # field -> smallest value
     "concurrency": 1,
     "queue": 0,
     "timeout_s": 1,
+    "batch_max": 1,
     "port": 1,
 }
+# The worker refuses a longer wait (inference_worker.py MAX_BATCH_WINDOW_MS).
+MAX_BATCH_WINDOW_MS = 1000
 
 # Bytes per parameter of the weights: the dtype's, or bitsandbytes' when quantised.
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
@@ -210,6 +217,7 @@ def inference_service_normalize(
     merged = _merge(merged, service)
     for key in INT_FIELDS:
         merged[key] = _as_int(merged.get(key))
+    merged["batch_window_ms"] = _as_float(merged.get("batch_window_ms"))
     if isinstance(merged.get("gateway"), Mapping):
         gateway = merged["gateway"]
         merged["gateway"] = {**gateway, **{k: _as_int(gateway.get(k)) for k in ("port", *GATEWAY_INT_FIELDS)}}
@@ -264,6 +272,10 @@ def _bad_numbers(service: Mapping[str, Any]) -> list[str]:
     port = service.get("port")
     if _is_int(port) and port > 65535:
         bad.append(f"port: found {port!r}, expected a TCP port from 1 to 65535")
+    window = service.get("batch_window_ms")
+    if isinstance(window, bool) or not isinstance(window, int | float) or not 0 <= window <= MAX_BATCH_WINDOW_MS:
+        expected = f"milliseconds from 0 (no batching) to {MAX_BATCH_WINDOW_MS}"
+        bad.append(f"batch_window_ms: found {window!r}, expected {expected}")
     per_worker = service.get("gpus_per_worker")
     if _is_int(per_worker) and per_worker not in GPUS_PER_WORKER:
         bad.append(f"gpus_per_worker: found {per_worker!r}, expected one of {', '.join(map(str, GPUS_PER_WORKER))}")

@@ -685,6 +685,22 @@ def test_command_values_are_quoted_not_split():
     ]
 
 
+@pytest.mark.parametrize("window", [-1, 1001, "soon", True])
+def test_a_batch_window_outside_0_to_1000_ms_is_refused_by_name(window):
+    said = r"batch_window_ms: found .*, expected milliseconds from 0 \(no batching\) to 1000"
+    with pytest.raises(ValueError, match=said):
+        m.inference_services_normalize([embed(batch_window_ms=window)])
+
+
+def test_batching_defaults_and_the_kv_bound_a_batched_generate_gets():
+    service = m.inference_services_normalize([embed(batch_window_ms="0.5")])[0]
+    assert (service["batch_window_ms"], service["batch_max"]) == (0.5, 32)
+    with pytest.raises(ValueError, match=r"batch_max: found 0, expected a whole number of 1 or more"):
+        m.inference_services_normalize([embed(batch_max=0)])
+    # One slot's KV cache, which preflight's memory arithmetic counts `concurrency` times.
+    assert m.inference_context_tokens({"max_input_tokens": 2048, "max_new_tokens": 256}) == 2304
+
+
 # --- the filters ------------------------------------------------------------------------------------
 
 
@@ -703,6 +719,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_gateway_allow",
         "inference_gateway_keys",
         "inference_body_limits",
+        "inference_context_tokens",
         "inference_max_conns",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100

@@ -707,10 +707,14 @@ def test_a_streamed_prompt_too_long_is_a_400_not_a_broken_stream(w, lm):
     assert client.app.state.admission.running == 0
 
 
-def test_an_unexpected_failure_is_an_openai_500(w, embedder):
-    with client_for(w, embedder) as client:
+@pytest.mark.parametrize("window", [0, 2], ids=["unbatched", "batched"])
+def test_an_unexpected_failure_is_an_openai_500(w, embedder, window):
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    with client_for(w, embedder, batch_window_ms=window) as client:
         engine = client.app.state.engine
-        engine.embed = lambda texts, cancel: (item for item in ()).throw(RuntimeError("boom"))
+        engine.embed = engine.embed_groups = boom
         r = TestClient(client.app, raise_server_exceptions=False).post("/v1/embeddings", json={"input": "x"})
     error = _error(r, 500, "internal_error")
     assert error["type"] == "server_error" and "RuntimeError" in error["message"]

@@ -5,7 +5,8 @@ OpenAI-compatible API.
     python inference_worker.py --config FILE.json --port N --host ADDR --worker-id ID
 
 The config (JSON) holds name, model_dir, task (embeddings | generation), dtype, quantization,
-max_new_tokens, max_input_tokens, concurrency, queue and timeout_s. The model loads once, from
+max_new_tokens, max_input_tokens, concurrency, queue, timeout_s, max_body_bytes and the batching
+across requests: batch_window_ms (0: off), batch_max and kv_tokens (Batcher). The model loads once, from
 the local directory only, onto cuda:0 (the unit pins the GPU with CUDA_VISIBLE_DEVICES), split in
 layer order over every GPU the unit gives it (device_map, through accelerate), or onto the CPU on a
 simulated node. At most `concurrency` requests run and `queue` wait; beyond that a
@@ -14,8 +15,14 @@ request gets 503 with Retry-After at once. A request past timeout_s gets 504 and
 Inputs are bounded before they cost anything: the body per endpoint (max_body_bytes, 413 before
 parsing), the number of embedding inputs (OpenAI's 2048), the number and length of stop strings,
 chat roles and content parts, text that is not Unicode (a lone surrogate); the tokenizer runs only
-after admission, in the model's thread pool, never on the event loop that answers /health. Every
+after admission, in the model's thread pool (a batched generation's prompt: in the batcher's
+tokenizer thread), never on the event loop that answers /health. Every
 refusal is an OpenAI error object naming the limit.
+
+Concurrent requests share passes of the model (batch_window_ms > 0): embedding inputs of several
+requests go through one tokenizer call and one forward pass, and whole (not streamed) generation
+requests with the same sampling settings, to a model with a pad token, through one left-padded
+generate, as many as the KV cache that preflight counted holds (kv_tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -60,7 +68,9 @@ METRICS = "budgetgpu_inference"
 TASKS = ("embeddings", "generation")
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
-EMBED_BATCH = 32
+# Inputs (embeddings) or sequences (generation) per pass of the model, where the config gives none:
+# activations grow with it times the longest input.
+BATCH_MAX = 32
 # OpenAI's limits: embedding inputs per request, stop strings per request; and how long a stop
 # string may be (stop strings are matched at every generated token).
 MAX_EMBEDDING_INPUTS = 2048
@@ -79,6 +89,10 @@ ENDPOINTS = (
     "/metrics",
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# How long a pass may wait for more requests after a pass that served several (Batcher), by default.
+BATCH_WINDOW_MS = 2.0
+MAX_BATCH_WINDOW_MS = 1000.0
 
 
 class ConfigError(Exception):
@@ -122,12 +136,19 @@ class WorkerConfig:
     # Largest request body in bytes per path ("other": every other path); the role writes the
     # figures of plugins/plugin_utils/inference.py inference_body_limits, which NGINX enforces too.
     max_body_bytes: dict[str, int] = field(default_factory=dict)
+    # Batching across requests (Batcher): 0 ms turns it off; batch_max bounds the inputs or sequences
+    # of one pass; kv_tokens is the KV cache preflight counted for each of the `concurrency` slots
+    # (plugins/plugin_utils/inference.py inference_context_tokens), which bounds a batched generate:
+    # 0 (not given) batches no generation.
+    batch_window_ms: float = BATCH_WINDOW_MS
+    batch_max: int = BATCH_MAX
+    kv_tokens: int = 0
 
     def body_limit(self, path: str) -> int:
         return int(self.max_body_bytes.get(path) or self.max_body_bytes.get("other") or DEFAULT_BODY_BYTES)
 
 
-_MINIMUMS = {"max_new_tokens": 1, "max_input_tokens": 1, "concurrency": 1, "queue": 0}
+_MINIMUMS = {"max_new_tokens": 1, "max_input_tokens": 1, "concurrency": 1, "queue": 0, "batch_max": 1, "kv_tokens": 0}
 _CHOICES = {"task": TASKS, "dtype": DTYPES, "quantization": QUANTIZATIONS}
 
 
@@ -159,6 +180,12 @@ def parse_config(raw: Any, source: str = "config") -> WorkerConfig:
     timeout = raw.get("timeout_s", 120)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ConfigError(f"{source}: timeout_s is {timeout!r}, expected a number of seconds > 0")
+    window = raw.get("batch_window_ms", BATCH_WINDOW_MS)
+    if isinstance(window, bool) or not isinstance(window, int | float) or not 0 <= window <= MAX_BATCH_WINDOW_MS:
+        raise ConfigError(
+            f"{source}: batch_window_ms is {window!r}, expected milliseconds from 0 (no batching) "
+            f"to {MAX_BATCH_WINDOW_MS:g}"
+        )
     limits = raw.get("max_body_bytes", {})
     if not isinstance(limits, dict) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in limits.values()
@@ -168,7 +195,7 @@ def parse_config(raw: Any, source: str = "config") -> WorkerConfig:
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{source}: model_dir {model_dir} has no config.json: copy the model directory there")
     known = {k: raw[k] for k in WorkerConfig.__dataclass_fields__ if k in raw}
-    return WorkerConfig(**{**known, "timeout_s": float(timeout)})
+    return WorkerConfig(**{**known, "timeout_s": float(timeout), "batch_window_ms": float(window)})
 
 
 def check_device(config: WorkerConfig, cuda: bool) -> None:
@@ -208,6 +235,23 @@ class GenerationParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
 
+    def sampling(self) -> tuple[float, ...]:
+        """What must be equal for requests to share one generate call: greedy, or the same settings."""
+        return (0.0,) if self.temperature <= 0 else (self.temperature, self.top_p)
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature > 0:
+            return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p}
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+
+
+@dataclass
+class GenerationRow:
+    """A tokenised generation request waiting to share a generate call (GenerationBatcher)."""
+
+    ids: list[int]
+    params: GenerationParams
+
 
 @dataclass
 class GenerationResult:
@@ -246,6 +290,39 @@ def _stopping_criteria(cancel: Cancel):
     return StoppingCriteriaList([CancelCriteria()])
 
 
+def _row_stops(tokenizer, width: int, rows: list[tuple[GenerationParams, Cancel]], eos: set[int]):
+    """Stopping criteria for each row of a batched generate on its own: its max_new_tokens, its stop
+    strings, an end token, its cancel signal. `done_at[i]` is how many new tokens row i kept."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class RowStops(StoppingCriteria):
+        done_at = [0] * len(rows)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            new = input_ids.shape[1] - width
+            for i, (params, cancel) in enumerate(rows):
+                if not self.done_at[i] and (
+                    new >= params.max_new_tokens
+                    or cancel.is_set()
+                    or int(input_ids[i, -1]) in eos
+                    or _has_stop(tokenizer, input_ids[i, width:], params.stop)
+                ):
+                    self.done_at[i] = new
+            return torch.tensor([bool(done) for done in self.done_at], device=input_ids.device)
+
+    return RowStops()
+
+
+def _has_stop(tokenizer, new_ids, stop: list[str]) -> bool:
+    # The text decoded whole each step: a stop string may span tokens (a row has at most 4, of 64
+    # characters, and max_new_tokens steps).
+    if not stop:
+        return False
+    text = tokenizer.decode(new_ids.tolist(), skip_special_tokens=True)
+    return any(s in text for s in stop)
+
+
 class Engine:
     """A loaded tokenizer and model on one device; the blocking calls run in worker threads."""
 
@@ -279,25 +356,59 @@ class Engine:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def embed(self, texts: list[str], cancel: Cancel) -> tuple[list[list[float]], int]:
-        """Mean-pooled, L2-normalised sentence vectors (the sentence-transformers recipe)."""
-        import torch
-
+        """One request's vectors, batch_max inputs per forward pass (batching across requests off)."""
         vectors: list[list[float]] = []
         tokens = 0
-        limit = self.input_limit()[0]
-        for start in range(0, len(texts), EMBED_BATCH):
+        limit, size = self.input_limit()[0], self.config.batch_max
+        for start in range(0, len(texts), size):
             if cancel.is_set():
                 raise WorkCancelled("embedding stopped")
             batch = self.tokenizer(
-                texts[start : start + EMBED_BATCH], padding=True, truncation=True, max_length=limit, return_tensors="pt"
-            ).to(self.device)
-            with torch.inference_mode():
-                hidden = self.model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            vectors += torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu().tolist()
+                texts[start : start + size], padding=True, truncation=True, max_length=limit, return_tensors="pt"
+            )
+            vectors += self._vectors(batch)
             tokens += int(batch["attention_mask"].sum())
         return vectors, tokens
+
+    def embed_groups(self, groups: list[tuple[int, list[str]]]) -> list[tuple[list[list[float]], int] | Exception]:
+        """The inputs of several requests in one tokenizer call and one forward pass. Each group (a
+        request's inputs from its index `start` on) gets its own vectors and token count, or its
+        own refusal: an input too long fails its request only."""
+        encoded = self.tokenizer([text for _start, texts in groups for text in texts])
+        lengths = [len(ids) for ids in encoded["input_ids"]]
+        outcomes: list[Any] = []
+        kept: list[int] = []
+        first = 0
+        for start, texts in groups:
+            rows = range(first, first + len(texts))
+            first += len(texts)
+            try:
+                for i, row in enumerate(rows):
+                    _too_long(self, lengths[row], f"input {start + i}")
+            except ApiError as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(rows)
+            kept += rows
+        # Padded to the longest kept input only: a refused input costs the others nothing.
+        kept_rows = {key: [values[r] for r in kept] for key, values in encoded.items()}
+        vectors = self._vectors(self.tokenizer.pad(kept_rows, return_tensors="pt")) if kept else []
+        where = {row: n for n, row in enumerate(kept)}
+        return [
+            o if isinstance(o, Exception) else ([vectors[where[r]] for r in o], sum(lengths[r] for r in o))
+            for o in outcomes
+        ]
+
+    def _vectors(self, batch) -> list[list[float]]:
+        """Mean-pooled, L2-normalised sentence vectors (the sentence-transformers recipe)."""
+        import torch
+
+        batch = batch.to(self.device)
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu().tolist()
 
     def generate(self, ids: list[int], params: GenerationParams, cancel: Cancel, streamer=None) -> GenerationResult:
         """Run generate() until max_new_tokens, an end token, a stop string or the cancel signal."""
@@ -311,24 +422,63 @@ class Engine:
             "stopping_criteria": _stopping_criteria(cancel),
             "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             "streamer": streamer,
+            **params.generate_kwargs(),
         }
-        if params.temperature > 0:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if params.stop:
             kwargs.update(stop_strings=params.stop, tokenizer=self.tokenizer)
         with torch.inference_mode():
             output = self.model.generate(inputs, **kwargs)
         if cancel.is_set():
             raise WorkCancelled("generation stopped")
-        new = output[0, len(ids) :].tolist()
+        return self._result(output[0, len(ids) :].tolist(), len(ids), params, time.monotonic() - start)
+
+    def generate_batch(self, rows: list[GenerationRow], cancels: list[Cancel]) -> list[GenerationResult | Exception]:
+        """Several requests in one generate call, left-padded with the pad token (so that every row's
+        new tokens start together); each row stops on its own and gets its own new tokens only."""
+        import torch
+        from transformers import StoppingCriteriaList
+
+        start = time.monotonic()
+        width = max(len(row.ids) for row in rows)
+        pad = self.tokenizer.pad_token_id
+        inputs = torch.tensor([[pad] * (width - len(row.ids)) + row.ids for row in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(row.ids)) + [1] * len(row.ids) for row in rows], device=self.device)
+        stops = _row_stops(
+            self.tokenizer, width, [(row.params, c) for row, c in zip(rows, cancels, strict=True)], self.eos_ids()
+        )
+        with torch.inference_mode():
+            output = self.model.generate(
+                inputs,
+                attention_mask=mask,
+                max_new_tokens=max(row.params.max_new_tokens for row in rows),
+                stopping_criteria=StoppingCriteriaList([stops]),
+                pad_token_id=pad,
+                **rows[0].params.generate_kwargs(),
+            )
+        seconds = time.monotonic() - start
+        results: list[GenerationResult | Exception] = []
+        for i, (row, cancel) in enumerate(zip(rows, cancels, strict=True)):
+            new = output[i, width:].tolist()[: stops.done_at[i] or None]
+            results.append(
+                WorkCancelled("generation stopped")
+                if cancel.is_set()
+                else self._result(new, len(row.ids), row.params, seconds)
+            )
+        return results
+
+    def eos_ids(self) -> set[int]:
+        found = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = set(found if isinstance(found, list) else [found]) | {self.tokenizer.eos_token_id}
+        return {i for i in ids if i is not None}
+
+    def _result(self, new: list[int], prompt: int, params: GenerationParams, seconds: float) -> GenerationResult:
+        """The answer from a row's new tokens: cut before the first stop string, and why it ended."""
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         finish = "length" if len(new) >= params.max_new_tokens else "stop"
         for stop in params.stop:
             if stop in text:
                 text, finish = text[: text.index(stop)], "stop"
-        return GenerationResult(text, len(ids), len(new), finish, time.monotonic() - start)
+        return GenerationResult(text, prompt, len(new), finish, seconds)
 
 
 def _torch_dtype(config: WorkerConfig, device: str):
@@ -437,6 +587,24 @@ class Admission:
         self.running -= 1
         self._semaphore().release()
 
+    # A batched request holds no slot of its own: each pass of the model holds one (Batcher).
+    async def slot(self) -> None:
+        await self._semaphore().acquire()
+
+    def free_slot(self) -> None:
+        self._semaphore().release()
+
+    def begin(self) -> None:
+        """An admitted request's work begins: a pass of the model took it."""
+        self.waiting -= 1
+        self.running += 1
+
+    def leave(self, began: bool) -> None:
+        if began:
+            self.running -= 1
+        else:
+            self.waiting -= 1
+
 
 class Metrics:
     """The worker's series, written by prometheus_client: requests and their latency counted as
@@ -451,6 +619,10 @@ class Metrics:
         self.latency = Histogram(
             f"{METRICS}_request_duration_seconds", "Time from request to the end of the answer.", ["endpoint"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            f"{METRICS}_batch_size", "Requests served together by one pass of the model (batch_window_ms > 0).",
+            buckets=BATCH_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -501,6 +673,260 @@ class StateCollector:
             yield GaugeMetricFamily(f"{METRICS}_{name}", text, value=value)
         for name, text, value in counters:
             yield CounterMetricFamily(f"{METRICS}_{name}", text, value=value)
+
+
+# ---------------------------------------------------------------- batching across requests
+
+
+@dataclass(eq=False)
+class Job:
+    """An admitted request's items (embedding inputs, or one GenerationRow) and their results."""
+
+    items: list
+    cancel: Cancel
+    future: asyncio.Future
+    results: list = field(default_factory=list)
+    tokens: int = 0
+    taken: int = 0  # items handed to passes
+    done: int = 0  # items with a result
+    began: bool = False  # a pass took some of it (Admission.begin)
+    left: bool = False  # answered, failed or dropped (Admission.leave)
+
+
+@dataclass
+class Part:
+    """The items of one job that one pass runs, from index `start` of the job's items."""
+
+    job: Job
+    start: int
+    items: list
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    # A request that timed out no longer awaits its future: retrieved here so it does not warn.
+    if not future.cancelled():
+        future.exception()
+
+
+class Batcher:
+    """Gathers the work of concurrent requests into shared passes of the model. A pass starts as
+    soon as one of the worker's `concurrency` slots is free, so a lone request waits for nothing;
+    requests that come while every slot is busy queue, and the next pass takes them together (up
+    to batch_max items). After a pass that served several requests, the next also waits, until
+    batch_window_ms after that pass ended or until as many requests queue, for those requests'
+    clients to send their next: otherwise clients in a loop split into a big and a small pass."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.max_items = state.config.batch_max
+        self.window = state.config.batch_window_ms / 1000
+        self.jobs: deque[Job] = deque()
+        self.driver: asyncio.Task | None = None
+        self.arrived: asyncio.Event | None = None
+        self.last_served, self.ended_at = 0, 0.0
+
+    def submit(self, items: list, cancel: Cancel) -> asyncio.Future:
+        """Queue an admitted request's items; the future gets (their results in order, tokens)."""
+        loop = asyncio.get_running_loop()
+        job = Job(items, cancel, loop.create_future(), [None] * len(items))
+        job.future.add_done_callback(_retrieve)
+        self.jobs.append(job)
+        self._arrival().set()
+        if self.driver is None:
+            self.driver = loop.create_task(self._drive())
+        return job.future
+
+    def take(self) -> list[Part]:
+        """The parts of the next pass, removed from the queue (each kind of batcher its own way)."""
+        raise NotImplementedError
+
+    def run(self, parts: list[Part]) -> list[Any]:
+        """The pass, in the model's thread pool: per part (its results, tokens) or an exception."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Nothing to release here; GenerationBatcher has its tokenizer's thread."""
+
+    def _arrival(self) -> asyncio.Event:
+        if self.arrived is None:
+            self.arrived = asyncio.Event()
+        return self.arrived
+
+    async def _drive(self) -> None:
+        admission = self.state.admission
+        try:
+            while self.jobs:
+                await admission.slot()
+                parts = await self._gather()
+                if parts:
+                    self._start(parts)
+                else:
+                    admission.free_slot()
+        finally:
+            self.driver = None
+
+    async def _gather(self) -> list[Part]:
+        want, self.last_served = self.last_served, 0
+        deadline = self.ended_at + self.window
+        while want > 1 and len(self.jobs) < want and self._queued() < self.max_items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._arrival().clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrival().wait(), left)
+        return self.take()
+
+    def _queued(self) -> int:
+        return sum(len(job.items) - job.taken for job in self.jobs)
+
+    def _start(self, parts: list[Part]) -> None:
+        jobs = list(dict.fromkeys(part.job for part in parts))
+        for job in jobs:
+            if not job.began:
+                job.began = True
+                self.state.admission.begin()
+        self.state.metrics.batch_size.observe(len(jobs))
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.state.executor, self.run, parts)
+        except RuntimeError as exc:  # the executor is shut down: the server is stopping
+            self._settled(parts, len(jobs), [exc] * len(parts))
+            return
+        future.add_done_callback(lambda done: self._settled(parts, len(jobs), _outcomes(done, len(parts))))
+
+    def _settled(self, parts: list[Part], served: int, outcomes: list[Any]) -> None:
+        self.last_served, self.ended_at = served, time.monotonic()
+        self.state.admission.free_slot()
+        for part, outcome in zip(parts, outcomes, strict=True):
+            job = part.job
+            if job.left:
+                continue
+            if isinstance(outcome, BaseException):
+                self._end(job, outcome)
+                continue
+            values, tokens = outcome
+            job.results[part.start : part.start + len(values)] = values
+            job.tokens += tokens
+            job.done += len(values)
+            if job.done == len(job.items):
+                self._end(job, (job.results, job.tokens))
+
+    def _end(self, job: Job, outcome: Any) -> None:
+        """Answer a job once (results or an exception) and give its admission back."""
+        if job.left:
+            return
+        job.left = True
+        self.state.admission.leave(job.began)
+        if job.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
+
+    def _stopped(self, job: Job) -> bool:
+        """A job whose request left (past its deadline, or failed): dropped, never run."""
+        if job.left or job.cancel.is_set():
+            self._end(job, WorkCancelled("stopped before its pass"))
+            return True
+        return False
+
+
+def _outcomes(future: asyncio.Future, parts: int) -> list[Any]:
+    if future.cancelled():
+        return [WorkCancelled("the worker is stopping")] * parts
+    if future.exception() is not None:
+        return [future.exception()] * parts
+    return future.result()
+
+
+class EmbeddingBatcher(Batcher):
+    """Embedding inputs of several requests in one forward pass; a request of more than batch_max
+    inputs spreads over passes in order, and shares its last one with the requests behind it."""
+
+    def take(self) -> list[Part]:
+        parts: list[Part] = []
+        room = self.max_items
+        while self.jobs and room:
+            job = self.jobs[0]
+            if self._stopped(job):
+                self.jobs.popleft()
+                continue
+            count = min(room, len(job.items) - job.taken)
+            parts.append(Part(job, job.taken, job.items[job.taken : job.taken + count]))
+            job.taken += count
+            room -= count
+            if job.taken == len(job.items):
+                self.jobs.popleft()
+        return parts
+
+    def run(self, parts: list[Part]) -> list[Any]:
+        return self.state.engine.embed_groups([(part.start, part.items) for part in parts])
+
+
+class GenerationBatcher(Batcher):
+    """Whole generation requests with the same sampling settings in one generate call, as many as
+    fit the KV cache of one slot (kv_tokens) and the model's positions, at most batch_max."""
+
+    def __init__(self, state: WorkerState) -> None:
+        super().__init__(state)
+        # Prompts are tokenised here, not in the model's pool: a pass holds that pool for a whole
+        # generate, and the next pass needs the prompts that came meanwhile ready.
+        self.tokenizer = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+
+    def close(self) -> None:
+        self.tokenizer.shutdown(wait=False, cancel_futures=True)
+
+    def take(self) -> list[Part]:
+        """The first request and those behind it that may join it; the others keep their place."""
+        rows: list[GenerationRow] = []
+        parts: list[Part] = []
+        waiting: deque[Job] = deque()
+        for job in self.jobs:
+            if self._stopped(job):
+                continue
+            row = job.items[0]
+            if not rows or self._joins(rows, row):
+                rows.append(row)
+                parts.append(Part(job, 0, [row]))
+            else:
+                waiting.append(job)
+        self.jobs = waiting
+        return parts
+
+    def _joins(self, rows: list[GenerationRow], row: GenerationRow) -> bool:
+        """Whether a row may join the pass: the same sampling, at most batch_max rows, the rows'
+        KV cache within one slot's kv_tokens, the padded rows within the model's positions."""
+        if len(rows) >= self.max_items or row.params.sampling() != rows[0].params.sampling():
+            return False
+        count, length = len(rows) + 1, _padded_length([*rows, row])
+        positions = getattr(self.state.engine, "positions", None) or length
+        return count * length <= self.state.config.kv_tokens and length <= positions
+
+    def run(self, parts: list[Part]) -> list[Any]:
+        engine = self.state.engine
+        if len(parts) == 1:  # alone: the unbatched call, so that a lone request costs what it did
+            row = parts[0].items[0]
+            return [([engine.generate(row.ids, row.params, parts[0].job.cancel)], 0)]
+        results = engine.generate_batch([p.items[0] for p in parts], [p.job.cancel for p in parts])
+        return [r if isinstance(r, Exception) else ([r], 0) for r in results]
+
+
+def _padded_length(rows: list[GenerationRow]) -> int:
+    """The tokens each row of one generate holds at its end: left padding makes every row as long as
+    the longest prompt, and generate runs to the largest max_new_tokens. Rows x this is their KV
+    cache, held against one slot's kv_tokens: what preflight counted for one request."""
+    return max(len(row.ids) for row in rows) + max(row.params.max_new_tokens for row in rows)
+
+
+def make_batcher(state: WorkerState) -> Batcher | None:
+    """The worker's batcher, or None where each request runs its own passes."""
+    config = state.config
+    if config.batch_window_ms <= 0:
+        return None
+    if config.task == "embeddings":
+        return EmbeddingBatcher(state)
+    return GenerationBatcher(state) if config.kv_tokens > 0 else None
 
 
 # ---------------------------------------------------------------- requests
@@ -564,11 +990,13 @@ class WorkerState:
     admission: Admission = field(init=False)
     metrics: Metrics = field(default_factory=Metrics)
     executor: ThreadPoolExecutor = field(init=False)
+    batcher: Batcher | None = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.config.concurrency, self.config.queue)
         self.executor = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="model")
+        self.batcher = make_batcher(self)
         self.metrics.registry.register(StateCollector(self))
 
     def require_engine(self, task: str, model: str | None) -> Engine:
@@ -665,8 +1093,8 @@ def _too_long(engine: Engine, count: int, what: str) -> None:
         )
 
 
-async def _enter(state: WorkerState) -> Cancel:
-    """A slot for the request, or 503 at once when `queue` requests already wait."""
+def _admit(state: WorkerState) -> Cancel:
+    """The request's deadline once admitted, or 503 at once when `queue` requests already wait."""
     admission = state.admission
     if not admission.admit():
         state.metrics.rejected += 1
@@ -675,9 +1103,14 @@ async def _enter(state: WorkerState) -> Cancel:
             f"(concurrency {admission.concurrency}, queue {admission.queue}): retry shortly"
         )
         raise ApiError(503, message, "overloaded_error", "queue_full", headers={"Retry-After": "1"})
-    cancel = Cancel(time.monotonic() + state.config.timeout_s)
+    return Cancel(time.monotonic() + state.config.timeout_s)
+
+
+async def _enter(state: WorkerState) -> Cancel:
+    """A slot for the request, or 503 at once when `queue` requests already wait."""
+    cancel = _admit(state)
     try:
-        await admission.acquire(cancel.remaining())
+        await state.admission.acquire(cancel.remaining())
     except TimeoutError:
         state.metrics.timeouts += 1
         raise _timeout_error(state, "waiting in the queue") from None
@@ -710,6 +1143,12 @@ async def _run(state: WorkerState, work: Callable[[Cancel], Any]) -> tuple[async
 
     future.add_done_callback(done)
     return future, cancel
+
+
+def _batched(state: WorkerState, batcher: Batcher, items: list) -> tuple[asyncio.Future, Cancel]:
+    """Admit the request and queue its items for the batcher's shared passes."""
+    cancel = _admit(state)
+    return batcher.submit(items, cancel), cancel
 
 
 async def _finish(state: WorkerState, future: asyncio.Future, cancel: Cancel) -> Any:
@@ -817,13 +1256,7 @@ async def _generate(
         return _params(state, engine, req, len(ids), stop)
 
     if not reply.stream:
-
-        def whole(cancel: Cancel) -> GenerationResult:
-            ids = prepare()
-            return engine.generate(ids, params(ids), cancel)
-
-        future, cancel = await _run(state, whole)
-        result = await _finish(state, future, cancel)
+        result = await _generate_whole(state, engine, prepare, params)
         state.metrics.observe_generation(result)
         return JSONResponse(reply.whole(result))
     loop = asyncio.get_running_loop()
@@ -851,6 +1284,34 @@ async def _generate(
     return StreamingResponse(
         _events(state, reply, future, cancel, queue), media_type="text/event-stream", headers=headers
     )
+
+
+async def _generate_whole(
+    state: WorkerState, engine: Engine, prepare: Callable[[], list[int]], params: Callable[[list[int]], Any]
+) -> GenerationResult:
+    """A whole answer: in a generate call shared with other requests where the batcher can (the
+    model has a pad token for the left padding), else in the request's own."""
+    batcher = state.batcher
+    if batcher is None or engine.tokenizer.pad_token_id is None:
+
+        def whole(cancel: Cancel) -> GenerationResult:
+            ids = prepare()
+            return engine.generate(ids, params(ids), cancel)
+
+        future, cancel = await _run(state, whole)
+        return await _finish(state, future, cancel)
+    cancel = _admit(state)
+    try:
+        tokenized = asyncio.get_running_loop().run_in_executor(batcher.tokenizer, prepare)
+        ids = await asyncio.wait_for(tokenized, cancel.remaining())
+    except BaseException as exc:
+        state.admission.leave(began=False)
+        if isinstance(exc, TimeoutError):
+            state.metrics.timeouts += 1
+            raise _timeout_error(state, "waiting for the tokenizer") from None
+        raise
+    future = batcher.submit([GenerationRow(ids, params(ids))], cancel)
+    return (await _finish(state, future, cancel))[0][0]
 
 
 def _put_result(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
@@ -970,7 +1431,10 @@ def _routes(api: FastAPI, state: WorkerState) -> None:
                 _too_long(engine, count, f"input {i}")
             return engine.embed(texts, cancel)
 
-        future, cancel = await _run(state, work)
+        if state.batcher is not None:
+            future, cancel = _batched(state, state.batcher, texts)
+        else:
+            future, cancel = await _run(state, work)
         vectors, tokens = await _finish(state, future, cancel)
         data = [
             {"object": "embedding", "index": i, "embedding": _encode_vector(v, req.encoding_format)}
@@ -1156,6 +1620,8 @@ def build_app(config: WorkerConfig, worker_id: str, engine: Engine | None = None
         if task is not None:
             task.cancel()
         state.executor.shutdown(wait=False, cancel_futures=True)
+        if state.batcher is not None:
+            state.batcher.close()
 
     api = FastAPI(title=f"budgetgpu inference worker {config.name}", lifespan=lifespan, docs_url=None, redoc_url=None)
     _error_handlers(api)
