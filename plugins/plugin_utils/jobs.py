@@ -89,13 +89,8 @@ JOB_DEFAULTS: dict[str, Any] = {
     "enabled": True,
 }
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
-# What a job runs and how it trains, whoever starts it: a systemd unit here, a Slurm batch script
-# (role slurm's slurm_jobs takes these keys of the job model and its own for Slurm).
-TRAINING_KEYS = (
-    "script",
-    "module",
-    "args",
-    "venv",
+# How a job trains, read by its script from the environment (training_environment).
+TRAINING_SETTINGS = (
     "checkpoint_every_minutes",
     "checkpoint_every_steps",
     "straggler_every_steps",
@@ -104,8 +99,10 @@ TRAINING_KEYS = (
     "powersgd_start_step",
     "bucket_cap_mb",
     "accumulate_steps",
-    "environment",
 )
+# What a job runs and how it trains, whoever starts it: a systemd unit here, a Slurm batch script
+# (role slurm's slurm_jobs takes these keys of the job model and its own for Slurm).
+TRAINING_KEYS = ("script", "module", "args", "venv", *TRAINING_SETTINGS, "environment")
 _INT_KEYS = (
     "port",
     "max_restarts",
@@ -375,17 +372,7 @@ def training_environment(job: Mapping[str, Any]) -> dict[str, str]:
     (train_ddp.py's defaults, budgetgpu_straggler.CommSettings.from_env): checkpoint cadence, the
     straggler report and DDP's communication settings. The systemd units and role slurm's batch
     scripts both set them from here."""
-    keys = (
-        "checkpoint_every_minutes",
-        "checkpoint_every_steps",
-        "straggler_every_steps",
-        "gradient_compression",
-        "powersgd_rank",
-        "powersgd_start_step",
-        "bucket_cap_mb",
-        "accumulate_steps",
-    )
-    return {f"BUDGETGPU_{key.upper()}": str(job[key]) for key in keys}
+    return {f"BUDGETGPU_{key.upper()}": str(job[key]) for key in TRAINING_SETTINGS}
 
 
 def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, Any]) -> dict[str, str]:

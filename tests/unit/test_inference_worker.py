@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
 pytest.importorskip("fastapi", reason="the worker's packages (requirements-dev.txt) are not installed")
 pytest.importorskip("transformers", reason="the worker's packages (requirements-dev.txt) are not installed")
+from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402  (after the skips)
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -35,17 +36,9 @@ TINY_LM = ROOT / "tests" / "fixtures" / "tiny_lm.py"
 WORKER_ID = "node1-0"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def w():
-    yield _load("inference_worker", SCRIPT)
+    yield load_file_module("inference_worker", SCRIPT, register=True)
     sys.modules.pop("inference_worker", None)
 
 
@@ -59,7 +52,7 @@ def minilm_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_lm_dir(tmp_path_factory) -> Path:
-    return _load("tiny_lm", TINY_LM).build_tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
+    return load_file_module("tiny_lm", TINY_LM, register=True).build_tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
 
 
 def _config(w, model_dir: Path, task: str, **over):
