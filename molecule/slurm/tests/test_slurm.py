@@ -283,6 +283,46 @@ def test_slurmdbd_accounts_each_job_with_its_gpus_and_keeps_its_password_to_itse
     assert f"{job}|nobody|COMPLETED|" in host("slurm-node1").check_output(f"runuser -u nobody -- {query}")
 
 
+def test_a_teams_jobs_queue_for_the_gpus_and_each_user_keeps_their_checkpoints_to_themselves() -> None:
+    """ana's job holds node1's four RTX 3090s; ben's batch job asks for four on node1 too: it waits in the queue
+    (Resources) until hers ends, then runs. Each user's checkpoint directory is their own, which the other
+    cannot read."""
+    ctl = host(CONTROLLER)
+    hers = ctl.check_output(
+        "cd /tmp && runuser -u ana -- sbatch --parsable -w slurm-node1 --gres=gpu:rtx3090:4 --output=/dev/null"
+        " --wrap 'sleep 20'"
+    ).strip()
+    his = ctl.check_output(
+        "cd /tmp && runuser -u ben -- env BUDGETGPU_DRY_RUN=1 sbatch --parsable -w slurm-node1 --gres=gpu:rtx3090:4"
+        " --output=/tmp/ben-%j.out /opt/budgetgpu/slurm/torchrun.sbatch train.py"
+    ).strip()
+    expected = {hers: ["ana", "RUNNING", "None"], his: ["ben", "PENDING", "Resources"]}
+    deadline = time.monotonic() + 30
+    while (queue := ctl.check_output(f"squeue --noheader --jobs {hers},{his} --format='%i %u %T %r'")) and {
+        line.split()[0]: line.split()[1:] for line in queue.splitlines()
+    } != expected:
+        assert time.monotonic() < deadline, (queue, expected)
+        time.sleep(1)
+    ctl.check_output(
+        "cd /tmp && runuser -u ana -- env BUDGETGPU_DRY_RUN=1 sbatch --parsable --wait -w slurm-node2"
+        " --gres=gpu:rtx3090:1 --output=/dev/null /opt/budgetgpu/slurm/torchrun.sbatch train.py"
+    )
+    deadline = time.monotonic() + 90
+    while job_state(his) not in ("COMPLETED", "FAILED", "CANCELLED", "GONE"):
+        assert time.monotonic() < deadline, f"ben's job {his}: {job_state(his)}"
+        time.sleep(1)
+    assert job_state(his) == "COMPLETED", host("slurm-node1").run(f"cat /tmp/ben-{his}.out").stdout
+    times = ctl.check_output(f"sacct -j {hers},{his} --allocations --noheader --parsable2 --format=JobID,Start,End")
+    (_unused, _start, her_end), (_unused, his_start, _end) = sorted(
+        (line.split("|") for line in times.splitlines()), key=lambda row: row[0] != hers
+    )
+    assert his_start >= her_end, times
+    root = "/var/lib/budgetgpu/slurm-checkpoints"
+    for user, node in (("ben", "slurm-node1"), ("ana", "slurm-node2")):
+        assert host(node).check_output(f"stat -c '%U %a' {root}/{user}") == f"{user} 700"
+    assert host("slurm-node1").run(f"runuser -u ana -- ls {root}/ben").rc != 0
+
+
 def test_a_checkpoint_root_in_a_directory_users_can_write_is_refused_and_nothing_changes(playbook) -> None:
     # /tmp is 1777: a user could have made /tmp/budgetgpu-ckpt a link before root makes it.
     done = playbook("slurm.yml", "-e", "slurm_checkpoint_root=/tmp/budgetgpu-ckpt", "--tags", "probe,slurm_preflight")
