@@ -73,7 +73,7 @@ def _bad_slurm_fields(job: Mapping[str, Any], nodes: list[Mapping[str, Any]]) ->
         bads.append(("nodes", count, "a number of Slurm nodes, 1 or more", ""))
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
         bads.append(("gpus_per_node", gpus, "a number of GPUs, 0 or more", ""))
-    if not any(field in ("gpu_type", "nodes", "gpus_per_node") for field, *_ in bads):
+    if not any(field in ("gpu_type", "nodes", "gpus_per_node") for field, *_rest in bads):
         offers = _offers(nodes, job.get("gpu_type"))
         if sum(1 for offer in offers if offer >= gpus) < count:
             what = f"{job.get('gpu_type') or 'GPU'}s"
