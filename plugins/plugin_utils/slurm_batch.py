@@ -40,7 +40,6 @@ BATCH_JOB_DEFAULTS: dict[str, Any] = {
 BATCH_JOB_KEYS = frozenset(BATCH_JOB_DEFAULTS) | {"name"}
 # What sbatch --time takes: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED.
 SLURM_TIME = re.compile(r"UNLIMITED|\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}")
-JOBS_DIR = "jobs"
 
 
 def batch_job_normalize(job: Any) -> dict[str, Any]:
@@ -84,14 +83,14 @@ def _bad_slurm_fields(job: Mapping[str, Any], nodes: list[Mapping[str, Any]]) ->
 
 
 def batch_job_problems(
-    job: Mapping[str, Any], nodes: list[Mapping[str, Any]], hostvars: Mapping[str, Any], host: str
+    job: Mapping[str, Any], nodes: list[Mapping[str, Any]], infos: Mapping[str, Any], host: str
 ) -> list[str]:
-    """Return one message per bad field of a normalised entry, naming host and job."""
+    """Return one message per bad field of a normalised entry, naming host and job; `infos` are the
+    Slurm nodes' node_info (whether each trains on gloo or NCCL)."""
     label = f"{host}: slurm_jobs[{job.get('name')}]"
     messages = []
     for field, found, expected, hint in [*_bad_slurm_fields(job, nodes), *training_bads(job)]:
         messages.append(f"{label}.{field}: found {found!r}, expected {expected}" + (f" ({hint})" if hint else ""))
-    infos = {node["host"]: node_info(hostvars.get(node["host"]) or {}, node["host"]) for node in nodes}
     for problem in compression_backend_problems(job, list(infos), infos):
         messages.append(
             f"{label}.{problem['field']}: found {problem['found']} on {problem['host']}, "
@@ -123,7 +122,8 @@ def batch_jobs(
     if not isinstance(jobs, list):
         raise ValueError(f"{host}: slurm_jobs: found {type(jobs).__name__} {jobs!r}, expected a list of jobs")
     normalised = [batch_job_normalize(job) for job in jobs]
-    problems = [message for job in normalised for message in batch_job_problems(job, nodes, hostvars, host)]
+    infos = {node["host"]: node_info(hostvars.get(node["host"]) or {}, node["host"]) for node in nodes}
+    problems = [message for job in normalised for message in batch_job_problems(job, nodes, infos, host)]
     names = [job.get("name") for job in normalised]
     problems += [
         f"{host}: slurm_jobs: found two jobs named {name}, expected one"
