@@ -480,6 +480,15 @@ print(json.dumps({"slow_closed": sum(1 for s in slow if s.fileno() in answers),
 """
 
 
+def test_nginx_processes_may_hold_a_file_per_connection() -> None:
+    # systemd's LimitNOFILE from the role's drop-in, as much of it as the host allows (here the
+    # container's 20000; 65536 on a stock host): Debian's 1024 made a proxied request fail with 500
+    # under the slow connections below.
+    limits = sh(GATEWAY, "for p in $(pgrep -x nginx); do sed -n 's/^Max open files  *//p' /proc/$p/limits; done")
+    soft = [int(line.split()[0]) for line in limits.splitlines()]
+    assert len(soft) >= 2 and min(soft) >= 16384, limits
+
+
 def test_slow_connections_do_not_starve_a_normal_client(gateway: str) -> None:
     proc = subprocess.Popen(
         ["docker", "exec", OTHER, "python3", "-c", SLOW_CLIENTS, gateway, str(EMBED_GATEWAY), "16", KEY],
