@@ -26,6 +26,7 @@ class FilterModule:
             "inference_check": as_filter(_inference.inference_check),
             "inference_worker_command": as_filter(_inference.inference_worker_command),
             "inference_gateway_allow": as_filter(_inference.inference_gateway_allow),
+            "inference_firewall_ports": as_filter(_inference.inference_firewall_ports),
             "inference_gateway_keys": as_filter(_inference.inference_gateway_keys),
             "inference_body_limits": as_filter(_inference.inference_body_limits),
             "inference_context_tokens": as_filter(_inference.inference_context_tokens),

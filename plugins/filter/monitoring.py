@@ -13,7 +13,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring impor
     inference_scrape_targets,
     prometheus_url,
     scrape_targets,
-    scraper_addresses,
 )
 
 
@@ -23,10 +22,9 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "monitoring_scrape_targets": scrape_targets,
-            "monitoring_scraper_addresses": scraper_addresses,
             "monitoring_prometheus_url": prometheus_url,
             "monitoring_alertmanager_url": alertmanager_url,
             "monitoring_alertmanager_targets": alertmanager_targets,
             "monitoring_inference_targets": as_filter(inference_scrape_targets),
-            "monitoring_firewall_rules": firewall_rules,
+            "firewall_rules": as_filter(firewall_rules),
         }

@@ -24,6 +24,7 @@ class FilterModule:
             "nccl_env_file": nccl_env_file,
             "nccl_absent_members": _nccl.nccl_absent_members,
             "nccl_recorded_members": _nccl.nccl_recorded_members,
+            "nccl_member_lines": _nccl.nccl_member_lines,
             "nccl_member_records": _nccl.nccl_member_records,
             "nccl_record_addresses": _nccl.nccl_record_addresses,
             "nccl_absent_report": _nccl.nccl_absent_report,

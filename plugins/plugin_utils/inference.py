@@ -748,6 +748,44 @@ def inference_gateway_allow(
     return [str(cluster_subnet)] if cluster_subnet else []
 
 
+def inference_firewall_ports(
+    plan: list[Mapping[str, Any]], gateways: list[Mapping[str, Any]], scrapers: list[str], scrapers_extra: list[str]
+) -> list[dict[str, Any]]:
+    """Return the entries of a node's inference firewall table (role firewall, filter firewall_rules):
+    each service's workers, which answer anyone (no authentication), from its gateway and the
+    Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
+    that is empty. ``plan`` and ``gateways`` are role inference's entries of this node."""
+    entries = []
+    for svc in plan:
+        ports = sorted(int(worker["port"]) for worker in svc.get("workers") or [])
+        if svc.get("state") == "absent" or not ports:
+            continue
+        entries.append(
+            {
+                # Each port, not a range: a range would open the ports between to this gateway too.
+                "port": ports,
+                "what": f"{svc['name']} workers",
+                "only": "gateway and Prometheus only",
+                "hosts": list(scrapers or []),
+                "extra": [str(svc["gateway_address"])] + list(scrapers_extra or []),
+                "inputs": "inference_scrapers / inference_scrapers_extra",
+            }
+        )
+    for svc in gateways:
+        if svc.get("state") != "absent":
+            entries.append(
+                {
+                    "port": int(svc["gateway_port"]),
+                    "what": f"{svc['name']} gateway",
+                    "only": "its allow list only",
+                    "hosts": [],
+                    "extra": list(svc.get("allow") or []),
+                    "inputs": f"service {svc['name']}: gateway.allow",
+                }
+            )
+    return entries
+
+
 def _key_entries(api_keys: Any) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Return ({name: {key, rate_per_s}}, problems) of inference_api_keys. A problem never shows a key."""
     if api_keys in (None, ""):

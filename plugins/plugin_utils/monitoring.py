@@ -7,6 +7,7 @@ alerts, amtool), and where Prometheus sends its alerts. Controller side, pure ov
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,10 +121,21 @@ def inference_scrape_targets(
 
 
 def firewall_rules(ports: list[Mapping[str, Any]], hostvars: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Return each port of a metrics firewall table ({port, what, only, hosts, extra}) with allow: the
-    scraper_addresses of its hosts and extra addresses ({ipv4, ipv6, unknown}), port as an int."""
+    """Return each entry of a budgetgpu firewall table (role firewall: {port, what, only, hosts, extra,
+    inputs}, optionally name and verdict) with ports (port as a list of "N" or "N-M", from a number,
+    such a string, a comma list or a list), allow (the scraper_addresses of its hosts and extra
+    addresses: {ipv4, ipv6, unknown}), name (its nft sets' prefix, from `what` unless given) and verdict
+    (reject with a TCP reset unless given: the client learns at once)."""
     rules = []
     for entry in ports or []:
+        port = entry["port"]
+        items = port if isinstance(port, list) else str(port).split(",")
+        spans = [str(item).replace(" ", "") for item in items if str(item).strip()]
+        bad = [span for span in spans if not re.fullmatch(r"[0-9]+(-[0-9]+)?", span)]
+        if bad or not spans:
+            raise ValueError(f"firewall {entry.get('what')}: port: found {port!r}, expected ports N or ranges N-M")
         allow = scraper_addresses(list(entry.get("hosts") or []), hostvars, list(entry.get("extra") or []))
-        rules.append({**entry, "port": int(entry["port"]), "allow": allow})
+        name = re.sub(r"[^a-z0-9]+", "_", str(entry.get("name") or entry["what"]).lower()).strip("_")
+        verdict = entry.get("verdict") or "reject with tcp reset"
+        rules.append({**entry, "ports": spans, "allow": allow, "name": name, "verdict": verdict})
     return rules

@@ -426,6 +426,16 @@ def nccl_absent_members(
     return absent
 
 
+def nccl_member_lines(records: dict[str, dict[str, Any]]) -> list[str]:
+    """Return the "member HOST: ADDR, ..." lines (without "# ") that the firewall file records, one per member
+    with addresses known in this run (nccl_member_records' answer): what nccl_recorded_members reads back."""
+    return [
+        f"member {host}: {', '.join(list(record.get('ipv4') or []) + list(record.get('ipv6') or []))}"
+        for host, record in (records or {}).items()
+        if record.get("source")
+    ]
+
+
 def nccl_recorded_members(text: str | None) -> dict[str, dict[str, list[str]]]:
     """Return {host: {ipv4, ipv6}} from the "# member HOST: ADDR, ..." lines of a firewall file."""
     records: dict[str, dict[str, list[str]]] = {}

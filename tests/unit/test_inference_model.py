@@ -717,6 +717,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_check",
         "inference_worker_command",
         "inference_gateway_allow",
+        "inference_firewall_ports",
         "inference_gateway_keys",
         "inference_body_limits",
         "inference_context_tokens",

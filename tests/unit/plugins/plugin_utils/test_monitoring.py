@@ -3,6 +3,7 @@ firewall lets in (every NIC address of the Prometheus hosts, the extra ones, the
 
 from __future__ import annotations
 
+import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
     prometheus_url,
     scrape_targets,
@@ -104,7 +105,6 @@ def test_inference_targets_are_the_workers_the_service_model_places():
 
 
 def test_inference_targets_refuse_a_node_without_facts():
-    import pytest
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
 
@@ -115,7 +115,7 @@ def test_inference_targets_refuse_a_node_without_facts():
         inference_scrape_targets(services, {}, ["node9"])
 
 
-def test_firewall_rules_give_each_port_its_addresses():
+def test_firewall_rules_give_each_port_its_addresses_sets_and_verdict():
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
 
     ports = [
@@ -127,10 +127,36 @@ def test_firewall_rules_give_each_port_its_addresses():
             "hosts": ["control"],
             "extra": ["10.0.0.0/24"],
         },
+        {"port": [29500, "60000-61000"], "what": "NCCL", "only": "members", "name": "members", "verdict": "drop"},
     ]
     rules = firewall_rules(ports, HOSTVARS)
-    assert [(r["port"], r["allow"]) for r in rules] == [
-        (9100, {"ipv4": ["10.0.0.11"], "ipv6": ["fd00::11"], "unknown": []}),
-        (9090, {"ipv4": ["10.0.0.0/24"], "ipv6": [], "unknown": ["control"]}),
+    assert [(r["ports"], r["allow"], r["name"], r["verdict"]) for r in rules] == [
+        (
+            ["9100"],
+            {"ipv4": ["10.0.0.11"], "ipv6": ["fd00::11"], "unknown": []},
+            "node_exporter",
+            "reject with tcp reset",
+        ),
+        (
+            ["9090"],
+            {"ipv4": ["10.0.0.0/24"], "ipv6": [], "unknown": ["control"]},
+            "prometheus",
+            "reject with tcp reset",
+        ),
+        (["29500", "60000-61000"], {"ipv4": [], "ipv6": [], "unknown": []}, "members", "drop"),
     ]
-    assert rules[1]["what"] == "Prometheus"
+
+
+@pytest.mark.parametrize("port", ["", "ssh", "22;", "8100-", [], "9100,x"])
+def test_firewall_rules_refuse_a_port_that_is_not_a_number_or_range(port):
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
+
+    with pytest.raises(ValueError, match=r"firewall node exporter: port: found .*, expected ports N or ranges N-M"):
+        firewall_rules([{"port": port, "what": "node exporter", "only": "", "hosts": [], "extra": []}], HOSTVARS)
+
+
+def test_a_comma_list_of_ports_is_split():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
+
+    rule = firewall_rules([{"port": "6817, 6818,60001-60100", "what": "Slurm"}], HOSTVARS)[0]
+    assert rule["ports"] == ["6817", "6818", "60001-60100"]

@@ -1,0 +1,152 @@
+"""Role firewall, the one nftables mechanism of the collection: each caller's ports (the training table of
+nccl_network, inference's workers and gateways, Slurm's daemons, the exporters) admit their hosts and
+refuse everyone else, in a table of the caller's own. The template is rendered with the inputs the
+callers compute (filters firewall_rules, inference_firewall_ports, nccl_member_lines)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jinja2
+import yaml
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_firewall_ports
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_lines, nccl_recorded_members
+
+ROLES = Path(__file__).resolve().parents[3] / "roles"
+TEMPLATE = ROLES / "firewall/templates/budgetgpu.nft.j2"
+CALLERS = ("nccl_network", "inference", "slurm", "node_exporter", "prometheus", "alertmanager")
+
+
+def net(*addresses: str) -> dict:
+    nic = {"name": "eth0", "kind": "physical", "addresses": [{"address": a, "prefix": 24} for a in addresses]}
+    return {"ansible_facts": {"budgetgpu_net": {"interfaces": [nic], "cluster_interface": None}}}
+
+
+HOSTVARS = {"monitor": net("10.0.0.13", "fd00::13"), "node1": net("10.0.0.11")}
+
+
+def render(entries: list[dict], table: str = "budgetgpu_test", notes: list[str] | None = None) -> str:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["comment"] = lambda text: "# " + text
+    env.tests["search"] = lambda value, pattern: re.search(pattern, str(value)) is not None
+    return env.from_string(TEMPLATE.read_text()).render(
+        ansible_managed="Ansible managed",
+        _firewall_rules=firewall_rules(entries, HOSTVARS),
+        _firewall_table=table,
+        firewall_notes=notes or [],
+    )
+
+
+def rules(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("tcp dport")]
+
+
+def sets(text: str) -> dict[str, str]:
+    """{set name: its body}."""
+    return dict(re.findall(r"\tset (\w+) \{\n(.*?)\n\t\}", text, re.S))
+
+
+def test_a_port_admits_its_hosts_nic_addresses_and_refuses_the_rest_with_a_reset():
+    entry = {"port": 9100, "what": "node exporter", "only": "Prometheus only", "hosts": ["monitor"], "extra": []}
+    text = render([entry], "budgetgpu_metrics")
+    assert "table inet budgetgpu_metrics {" in text and "delete table inet budgetgpu_metrics" in text
+    assert rules(text) == [
+        "tcp dport { 9100 } ip saddr @node_exporter_v4 accept",
+        "tcp dport { 9100 } ip6 saddr @node_exporter_v6 accept",
+        'tcp dport { 9100 } counter reject with tcp reset comment "budgetgpu: node exporter, Prometheus only"',
+    ]
+    assert "elements = { 10.0.0.13 }" in sets(text)["node_exporter_v4"]
+    assert "elements = { fd00::13 }" in sets(text)["node_exporter_v6"]
+    # Plain addresses need no interval set.
+    assert "interval" not in text
+
+
+def test_a_port_without_clients_is_loopback_only():
+    text = render([{"port": 9090, "what": "Prometheus", "only": "its clients only", "hosts": [], "extra": []}])
+    assert "elements" not in sets(text)["prometheus_v4"]
+    assert 'iifname "lo" accept' in text and "#   9090 (Prometheus): loopback only" in text
+
+
+def test_networks_make_an_interval_set_that_merges_a_member_inside_one():
+    entry = {"port": "6817-6818", "what": "Slurm", "only": "cluster", "hosts": ["node1"], "extra": ["10.0.0.0/24"]}
+    body = sets(render([entry]))["slurm_v4"]
+    assert "flags interval" in body and "auto-merge" in body
+    assert "elements = { 10.0.0.0/24, 10.0.0.11 }" in body
+    assert "interval" not in sets(render([entry]))["slurm_v6"]
+
+
+def test_inference_workers_admit_gateway_and_prometheus_each_port_exactly_and_an_empty_allow_list_no_one():
+    plan = [
+        {
+            "name": "chat",
+            "state": "started",
+            "gateway_address": "10.0.0.11",
+            "workers": [{"port": 8102}, {"port": 8100}],
+        },
+        {"name": "old", "state": "absent", "gateway_address": "10.0.0.11", "workers": [{"port": 8101}]},
+    ]
+    gateways = [
+        {"name": "chat", "state": "started", "gateway_port": 8080, "allow": ["10.0.0.0/24", "fd00::/64"]},
+        {"name": "embed", "state": "started", "gateway_port": 8081, "allow": []},
+    ]
+    text = render(inference_firewall_ports(plan, gateways, ["monitor"], []), "budgetgpu_inference")
+    assert rules(text) == [
+        # 8101 between them is not opened: it is no worker of chat's.
+        "tcp dport { 8100, 8102 } ip saddr @chat_workers_v4 accept",
+        "tcp dport { 8100, 8102 } ip6 saddr @chat_workers_v6 accept",
+        'tcp dport { 8100, 8102 } counter reject with tcp reset comment "budgetgpu: chat workers, gateway and'
+        ' Prometheus only"',
+        "tcp dport { 8080 } ip saddr @chat_gateway_v4 accept",
+        "tcp dport { 8080 } ip6 saddr @chat_gateway_v6 accept",
+        'tcp dport { 8080 } counter reject with tcp reset comment "budgetgpu: chat gateway, its allow list only"',
+        "tcp dport { 8081 } ip saddr @embed_gateway_v4 accept",
+        "tcp dport { 8081 } ip6 saddr @embed_gateway_v6 accept",
+        'tcp dport { 8081 } counter reject with tcp reset comment "budgetgpu: embed gateway, its allow list only"',
+    ]
+    found = sets(text)
+    assert "elements = { 10.0.0.11, 10.0.0.13 }" in found["chat_workers_v4"]
+    assert "elements = { fd00::13 }" in found["chat_workers_v6"]
+    # Preflight refuses an empty allow list; were it to get here, nobody is admitted, not everybody.
+    assert "elements" not in found["embed_gateway_v4"] and "elements" not in found["embed_gateway_v6"]
+
+
+def test_the_training_table_drops_and_its_member_lines_read_back_as_recorded():
+    records = {
+        "node1": {"ipv4": ["10.9.0.2"], "ipv6": [], "source": "facts"},
+        "node2": {"ipv4": ["10.9.0.3"], "ipv6": ["fd00::3"], "source": "record"},
+        "node3": {"ipv4": [], "ipv6": [], "source": ""},
+    }
+    entry = {
+        "name": "members",
+        "port": ["29500", "60000-61000"],
+        "what": "rendezvous and NCCL",
+        "only": "members",
+        "hosts": [],
+        "extra": ["10.9.0.2", "10.9.0.3", "fd00::3"],
+        "verdict": "drop",
+    }
+    text = render([entry], "budgetgpu", nccl_member_lines(records))
+    assert "table inet budgetgpu {" in text
+    assert (
+        rules(text)[-1]
+        == 'tcp dport { 29500, 60000-61000 } counter drop comment "budgetgpu: rendezvous and NCCL, members"'
+    )
+    assert nccl_recorded_members(text) == {
+        "node1": {"ipv4": ["10.9.0.2"], "ipv6": []},
+        "node2": {"ipv4": ["10.9.0.3"], "ipv6": ["fd00::3"]},
+    }
+
+
+def test_every_caller_includes_the_role_with_a_table_of_its_own():
+    names = {}
+    for role in CALLERS:
+        for path in sorted((ROLES / role / "tasks").glob("*.yml")):
+            for task in yaml.safe_load(path.read_text()) or []:
+                include = task.get("ansible.builtin.include_role") or {}
+                if include.get("name") == "budgetgpu.cluster.firewall":
+                    names[role] = task["vars"]["firewall_name"]
+    assert set(names) == set(CALLERS), "a caller without role firewall keeps a firewall of its own"
+    assert len(set(names.values())) == len(CALLERS), f"two callers would replace each other's table: {names}"
+    assert not list(ROLES.glob("*/templates/*.nft.j2"))[1:], "one nft template, role firewall's"
