@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# ActiveState values of a unit whose job is alive or about to be. "activating" covers a unit that
-# systemd restarts after a failure (SubState auto-restart, auto-restart-queued): between two
-# restarts it has no process, but it is a job that a Docker or driver restart would disrupt when it
-# comes back. "deactivating" is a job saving its checkpoint on the way out. Only inactive, failed
-# and maintenance units are not running.
-RUNNING_STATES = ("active", "reloading", "refreshing", "activating", "deactivating")
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.job_metrics import unit_running
+
 # What `scontrol listpids` says, exiting 1, on a node without a job step.
 NO_STEPS = "No job steps exist on this node."
 
@@ -33,7 +29,7 @@ def probe_running_jobs(lines: list[str] | None) -> list[str]:
     running = []
     for line in lines or []:
         row = _unit_row(line)
-        if len(row) >= 4 and row[2] in RUNNING_STATES:
+        if len(row) >= 4 and unit_running(row[2]):
             running.append(row[0])
     return running
 

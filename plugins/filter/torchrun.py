@@ -32,6 +32,7 @@ cluster_nodes = jobs.cluster_nodes
 systemd_quote = jobs.systemd_quote
 systemd_exec = jobs.systemd_exec
 systemd_show = jobs.systemd_show
+running_units = jobs.running_units
 torchrun_job_status = jobs.torchrun_job_status
 
 
@@ -49,5 +50,6 @@ class FilterModule:
             "systemd_quote": systemd_quote,
             "systemd_exec": systemd_exec,
             "systemd_show": systemd_show,
+            "running_units": running_units,
             "unit_hardening": unit_hardening,
         }

@@ -8,7 +8,7 @@ user of its own, each pass) reads those files and the jobs' units' state and wri
 into its own state directory, which a link shows to node exporter: the job's user never writes to
 node exporter's directory, and nobody but the watch writes the metrics.
 
-A status that is not live (the job's unit is not active, or the file is older than `stale_after`
+A status that is not live (the job's unit is not running, or the file is older than `stale_after`
 seconds: rank 0 writes it at every log line) exports no rate, no ratio and no step times: a stopped
 job leaves no gauge frozen at its last value, and Prometheus marks those series stale at the next
 scrape. What stays is what is still true: the last step, the file's age, running 0.
@@ -33,6 +33,14 @@ STATUS_FILE = "status.json"
 # Seconds after which a status whose unit is active still counts as stale (rank 0 stopped writing:
 # a hung job, or a status left behind on a node that is no longer the job's master).
 STALE_AFTER_S = 900
+
+# ActiveState values of a unit whose work is alive or about to be: the one definition of "the unit is
+# running" (safe mode's running jobs, the start or restart of a changed job or worker, a job's metrics).
+# "activating" covers a unit that systemd restarts after a failure (SubState auto-restart): between two
+# starts it has no process, but it is work that a Docker or driver restart would disrupt when it comes
+# back. "deactivating" is a job saving its checkpoint on the way out. Inactive, failed and maintenance
+# units are not running.
+RUNNING_STATES = ("active", "reloading", "refreshing", "activating", "deactivating")
 
 # The bound of a status file: rank 0 writes about 100 bytes per rank (a 1024-rank job: about 100 KiB).
 STATUS_MAX_BYTES = 1 << 20
@@ -272,13 +280,17 @@ def render(jobs: list[dict[str, Any]], stale_after: float = STALE_AFTER_S) -> st
     return "\n".join(lines) + "\n" if lines else ""
 
 
+def unit_running(active_state: Any) -> bool:
+    """Whether a unit whose ActiveState is this counts as running (RUNNING_STATES)."""
+    return str(active_state) in RUNNING_STATES
+
+
 def active_units(systemctl_show: str) -> dict[str, bool]:
-    """Return {unit: active} from `systemctl show --property=Id,ActiveState UNIT...` (blocks split by
-    an empty line). Active while starting or reloading too; anything else (inactive, failed,
-    activating between two restarts, deactivating) is not."""
+    """Return {unit: running} from `systemctl show --property=Id,ActiveState UNIT...` (blocks split by
+    an empty line; unit_running)."""
     units: dict[str, bool] = {}
     for block in systemctl_show.strip().split("\n\n"):
         fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
         if fields.get("Id"):
-            units[fields["Id"]] = fields.get("ActiveState") in ("active", "reloading")
+            units[fields["Id"]] = unit_running(fields.get("ActiveState"))
     return units

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.job_metrics import unit_running
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -483,6 +484,12 @@ def systemd_show(output: str) -> dict[str, dict[str, str]]:
         if "Id" in props:
             units[props["Id"]] = props
     return units
+
+
+def running_units(units: Mapping[str, Mapping[str, Any]] | None) -> list[str]:
+    """Return the units of systemd_show's answer that count as running (module_utils/job_metrics.py
+    unit_running, the one definition)."""
+    return [unit for unit, props in (units or {}).items() if unit_running(props.get("ActiveState"))]
 
 
 def _slurped_json(result: Mapping[str, Any] | None) -> Any:

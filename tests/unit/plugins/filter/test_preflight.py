@@ -13,6 +13,7 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.preflight import (
 )
 from ansible_collections.budgetgpu.cluster.plugins.filter.torchrun import (
     cluster_nodes,
+    running_units,
     systemd_exec,
     systemd_show,
     torchrun_environment,
@@ -547,6 +548,30 @@ def test_systemd_show_maps_each_unit_to_its_properties():
         gone: {"Id": gone, "LoadState": "not-found", "SubState": "dead"},
     }
     assert systemd_show("") == {}
+
+
+def test_running_units_are_those_safe_mode_counts_as_running_jobs():
+    from ansible_collections.budgetgpu.cluster.plugins.filter.probe import probe_running_jobs
+
+    states = ["active", "reloading", "activating", "deactivating", "inactive", "failed", "maintenance"]
+    show = "\n\n".join(f"Id=u-{state}.service\nActiveState={state}" for state in states)
+    lines = [f"u-{state}.service loaded {state} x" for state in states]
+    running = running_units(systemd_show(show))
+    assert running == ["u-active.service", "u-reloading.service", "u-activating.service", "u-deactivating.service"]
+    assert probe_running_jobs(lines) == running
+
+
+def test_no_role_decides_by_itself_whether_a_unit_runs():
+    from pathlib import Path
+
+    roles = Path(__file__).resolve().parents[4] / "roles"
+    found = [
+        f"{path.relative_to(roles)}:{number}"
+        for path in sorted(roles.glob("*/tasks/*.yml"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if ("ActiveState" in line or "SubState" in line) and "--property=" not in line
+    ]
+    assert not found, f"use filter running_units (one definition of a running unit): {found}"
 
 
 def test_a_quarantined_gpu_is_a_warning_with_its_reason_and_time():

@@ -85,11 +85,13 @@ def test_no_job_writes_an_empty_file_and_labels_are_escaped():
 
 def test_systemctl_show_gives_each_units_state():
     show = "Id=budgetgpu-job-a.service\nActiveState=active\n\nId=budgetgpu-job-b.service\nActiveState=failed\n\n"
-    show += "Id=budgetgpu-job-c.service\nActiveState=activating\n"
+    show += "Id=budgetgpu-job-c.service\nActiveState=activating\n\nId=budgetgpu-job-d.service\nActiveState=inactive\n"
+    # activating: systemd restarts it after a failure; it runs again, as safe mode counts it.
     assert job_metrics.active_units(show) == {
         "budgetgpu-job-a.service": True,
         "budgetgpu-job-b.service": False,
-        "budgetgpu-job-c.service": False,
+        "budgetgpu-job-c.service": True,
+        "budgetgpu-job-d.service": False,
     }
 
 
