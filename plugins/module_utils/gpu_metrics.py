@@ -1,10 +1,10 @@
-"""The GPU metrics of one health watch pass, in Prometheus' text format, for node exporter's textfile
-collector.
+"""The GPU metrics of one health watch pass, for node exporter's textfile collector: the samples and
+their types and help (METRICS); the watch writes Prometheus' text format with prometheus_client.
 
 Plain standard-library Python with no imports from the rest of the collection, so that the watch
 (`scripts/gpu-health`, run by role gpu_health's timer) loads this file by path, as it loads
 gpu_health.py. Pure over its inputs: the watch passes its sample (nvml_probe.health_sample plus the AER
-texts), its new state (gpu_health.watch_state), the boot links and the Xid counts, and writes the text.
+texts), its new state (gpu_health.watch_state), the boot links and the Xid counts.
 
 Names: NVIDIA's dcgm-exporter names where a metric has a twin there (DCGM_FI_DEV_GPU_TEMP, ...), with
 dcgm-exporter's labels (gpu, UUID, pci_bus_id in NVML's form, modelName, Hostname), so dashboards made
@@ -69,18 +69,6 @@ def nvml_bus_id(bus_id: Any) -> str:
     if len(parts) != 3 or not all(re.fullmatch(r"[0-9A-F.]+", part) for part in parts):
         return str(bus_id or "")
     return f"{int(parts[0], 16):08X}:{parts[1]}:{parts[2]}"
-
-
-def _escape(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(labels: dict[str, Any]) -> str:
-    return "{" + ",".join(f'{key}="{_escape(value)}"' for key, value in labels.items()) + "}"
-
-
-def _number(value: Any) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(int(value))
 
 
 def xid_counts(previous: dict[str, Any] | None, findings: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -180,7 +168,7 @@ def _gpu_labels(gpu: dict[str, Any], host: str) -> dict[str, Any]:
     }
 
 
-def render(
+def samples(
     sample: dict[str, Any],
     state: dict[str, Any],
     host: str,
@@ -188,28 +176,25 @@ def render(
     xids: dict[str, dict[str, int]] | None = None,
     now_seconds: float | None = None,
     gone: list[dict[str, Any]] | None = None,
-) -> str:
-    """Return the text of one pass: a sample per known value (an unsupported or unknown value is left
-    out, as dcgm-exporter leaves out a field the GPU lacks), grouped under one HELP and TYPE per name.
-    gone: the GPUs the node had that this sample lacks (gpu_health.gone), each with the series it keeps,
-    under the labels it had."""
-    samples: list[tuple[str, dict[str, Any], Any]] = []
+) -> list[tuple[str, dict[str, str], float]]:
+    """Return (name, labels, value) of one pass, a sample per known value (an unsupported or unknown value
+    is left out, as dcgm-exporter leaves out a field the GPU lacks); the watch writes them with
+    prometheus_client under METRICS' types and help. gone: the GPUs the node had that this sample lacks
+    (gpu_health.gone), each with the series it keeps, under the labels it had."""
+    out: list[tuple[str, dict[str, Any], Any]] = []
     present = [gpu for gpu in sample.get("gpus") or [] if gpu.get("uuid")]
     for gpu in present:
         boot = (boot_links or {}).get(str(gpu.get("bus_id"))) or {}
-        samples += _gpu_samples(gpu, _gpu_labels(gpu, host), state, boot, xids or {})
+        out += _gpu_samples(gpu, _gpu_labels(gpu, host), state, boot, xids or {})
     for gpu in gone or []:
-        samples += _gone_samples(_gpu_labels(gpu, host), state, xids or {})
+        out += _gone_samples(_gpu_labels(gpu, host), state, xids or {})
     node = {"Hostname": host}
-    samples.append(("budgetgpu_gpu_health_gpus", node, len(sample.get("gpus") or [])))
-    samples.append(("budgetgpu_gpu_health_gpus_expected", node, len(present) + len(gone or [])))
+    out.append(("budgetgpu_gpu_health_gpus", node, len(sample.get("gpus") or [])))
+    out.append(("budgetgpu_gpu_health_gpus_expected", node, len(present) + len(gone or [])))
     if now_seconds is not None:
-        samples.append(("budgetgpu_gpu_health_last_pass_timestamp_seconds", node, round(now_seconds, 3)))
-    lines = []
-    for name, (kind, words) in METRICS.items():
-        mine = [(labels, value) for metric, labels, value in samples if metric == name and _known(value)]
-        if not mine:
-            continue
-        lines += [f"# HELP {name} {words}", f"# TYPE {name} {kind}"]
-        lines += [f"{name}{_labels(labels)} {_number(value)}" for labels, value in mine]
-    return "\n".join(lines) + "\n"
+        out.append(("budgetgpu_gpu_health_last_pass_timestamp_seconds", node, round(now_seconds, 3)))
+    return [
+        (name, {key: str(value) for key, value in labels.items()}, float(value))
+        for name, labels, value in out
+        if _known(value)
+    ]

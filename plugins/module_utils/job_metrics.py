@@ -1,10 +1,11 @@
-"""The metrics of the training jobs whose rank 0 runs on this node, in Prometheus' text format, for node
-exporter's textfile collector.
+"""The metrics of the training jobs whose rank 0 runs on this node, for node exporter's textfile
+collector: the samples and their types and help (METRICS); the watch writes Prometheus' text format
+with prometheus_client.
 
 Rank 0 of a job writes its status (roles/torchrun/files/budgetgpu_straggler.py write_status: step,
 steps per second over the last window, each rank's compute seconds per step, the straggler ratio)
 to /var/lib/budgetgpu/jobs/<job>/status.json. The health watch (scripts/gpu-health, an unprivileged
-user of its own, each pass) reads those files and the jobs' units' state and writes the text below
+user of its own, each pass) reads those files and the jobs' units' state and writes their metrics
 into its own state directory, which a link shows to node exporter: the job's user never writes to
 node exporter's directory, and nobody but the watch writes the metrics.
 
@@ -165,7 +166,7 @@ def parse_status(data: bytes) -> dict[str, Any]:
 
 # name: (type, help). The order of the output.
 METRICS = {
-    "budgetgpu_job_running": ("gauge", "1 when the job's unit is active and rank 0's status is fresh, else 0."),
+    "budgetgpu_job_running": ("gauge", "1 when the job's unit is running and rank 0's status is fresh, else 0."),
     "budgetgpu_job_steps_per_second": ("gauge", "Rank 0's steps per second since its previous status."),
     "budgetgpu_job_straggler_ratio": (
         "gauge",
@@ -203,14 +204,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
-
-
-def _escape(value: Any) -> str:
-    return clean_text(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _text(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(round(value, 6))
 
 
 def is_live(active: bool | None, age_s: float, stale_after: float = STALE_AFTER_S) -> bool:
@@ -255,29 +248,20 @@ def job_samples(
     return [(name, lab, float(value)) for name, lab, value in out if value is not None]
 
 
-def render(jobs: list[dict[str, Any]], stale_after: float = STALE_AFTER_S) -> str:
-    """Return the text for jobs: [{name, status, active, age_s}], one HELP and TYPE per name present
-    ("" for no job: node exporter reads an empty file as no metrics)."""
-    samples = []
+def samples(jobs: list[dict[str, Any]], stale_after: float = STALE_AFTER_S) -> list[tuple[str, dict[str, str], float]]:
+    """Return (name, labels, value) of jobs: [{name, status, active, age_s}], label values cleaned
+    (clean_text); the watch writes them with prometheus_client under METRICS' types and help (no job, no
+    sample: node exporter reads an empty file as no metrics)."""
+    out = []
     for job in sorted(jobs, key=lambda j: str(j["name"])):
         # Each job on its own: a status parse_status let through and this code still trips on costs that
         # job's metrics, never the others'.
         try:
             status = job.get("status") or {}
-            name = clean_text(job["name"])
-            samples += job_samples(name, status, job.get("active"), job["age_s"], stale_after)
+            out += job_samples(clean_text(job["name"]), status, job.get("active"), job["age_s"], stale_after)
         except (TypeError, ValueError, OverflowError, AttributeError):
             continue
-    lines = []
-    for name, (kind, words) in METRICS.items():
-        mine = [(labels, value) for metric, labels, value in samples if metric == name]
-        if not mine:
-            continue
-        lines += [f"# HELP {name} {words}", f"# TYPE {name} {kind}"]
-        for labels, value in mine:
-            text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-            lines.append(f"{name}{{{text}}} {_text(value)}")
-    return "\n".join(lines) + "\n" if lines else ""
+    return [(name, {key: clean_text(value) for key, value in labels.items()}, value) for name, labels, value in out]
 
 
 def unit_running(active_state: Any) -> bool:

@@ -112,8 +112,8 @@ def test_a_pass_logs_each_refused_status_as_a_warning_and_writes_the_others(watc
     )
     lines = script.run_pass(config, "t0")
     assert f"warn: job bad: {root}/bad/status.json refused: a JSON list, expected a mapping" in lines
-    text = (tmp_path / "jobs.prom").read_text()
-    assert 'budgetgpu_job_running{job="demo"} 1' in text and 'job="bad"' not in text
+    values = metrics(tmp_path / "jobs.prom")
+    assert values['budgetgpu_job_running{job="demo"}'] == 1 and not [key for key in values if 'job="bad"' in key]
 
 
 def test_the_state_is_written_with_fsync_of_the_file_and_its_directory(watch, monkeypatch):
@@ -156,17 +156,8 @@ def test_an_empty_or_cut_state_means_no_quarantine_known_logged_never_skip_every
         assert set(json.loads(state.read_text())["quarantine"]) == {GPUS[1]}
 
 
-def metrics(path: Path) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in path.read_text().splitlines()
-        if line[0] != "#"
-    }
-
-
-def labels(index: int, bus: str) -> str:
-    model = "NVIDIA GeForce RTX 3090"
-    return f'{{gpu="{index}",UUID="{GPUS[index]}",pci_bus_id="0000000{bus}",modelName="{model}",Hostname="node1"}}'
+metrics = base.metrics
+labels = base.gpu_labels
 
 
 def test_a_gpu_off_the_bus_keeps_its_series_present_0_quarantined_1_and_its_xid(watch, tmp_path):

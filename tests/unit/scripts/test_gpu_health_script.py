@@ -18,6 +18,25 @@ XID_79 = (
 )
 
 
+def metrics(path: Path) -> dict[str, float]:
+    """{'name{labels}': value} of a textfile, read by prometheus_client's parser (labels sorted, as
+    prometheus_client writes them); every sample's family has its TYPE and HELP."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(path.read_text()):
+        assert family.documentation and family.type in ("gauge", "counter", "unknown"), family
+        for sample in family.samples:
+            text = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            found[sample.name + ("{" + text + "}" if text else "")] = sample.value
+    return found
+
+
+def gpu_labels(index: int, bus: str) -> str:
+    model = "NVIDIA GeForce RTX 3090"
+    return f'{{Hostname="node1",UUID="{GPUS[index]}",gpu="{index}",modelName="{model}",pci_bus_id="0000000{bus}"}}'
+
+
 @pytest.fixture
 def watch(fake_pynvml, sim_tree, tmp_path, monkeypatch):
     """(script module, config, faults writer) for a 4x RTX 3090 node with a kern.log file."""
@@ -187,20 +206,43 @@ def test_a_pass_writes_the_metrics_file_atomically_with_the_dead_fan(watch, tmp_
     script, config, inject = watch
     config["metrics_file"] = str(tmp_path / "gpu.prom")
     script.run_pass(config, "t0")
-    text = (tmp_path / "gpu.prom").read_text()
-    assert text.count("DCGM_FI_DEV_GPU_TEMP{") == 4 and 'modelName="NVIDIA GeForce RTX 3090"' in text
-    assert 'budgetgpu_gpu_quarantined{gpu="1"' in text and "kind=" not in text
+    values = metrics(tmp_path / "gpu.prom")
+    assert len([key for key in values if key.startswith("DCGM_FI_DEV_GPU_TEMP{")]) == 4
+    assert values[f"budgetgpu_gpu_quarantined{gpu_labels(1, '0:02:00.0')}"] == 1
+    assert not [key for key in values if "kind=" in key]
     assert not (tmp_path / "gpu.prom.tmp").exists()
     inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88})
     with open(config["kernel_log"], "a") as log:
         log.write(XID_79)
     script.run_pass(config, "t1")
-    text = (tmp_path / "gpu.prom").read_text()
-    labels = (
-        f'gpu="2",UUID="{GPUS[2]}",pci_bus_id="00000000:03:00.0",modelName="NVIDIA GeForce RTX 3090",Hostname="node1"'
-    )
-    assert f'budgetgpu_gpu_health_finding{{{labels},kind="dead_fan"}} 1' in text
-    assert f"DCGM_FI_DEV_XID_ERRORS{{{labels}}} 79" in text and f"budgetgpu_gpu_xid_errors_total{{{labels}}} 1" in text
+    values = metrics(tmp_path / "gpu.prom")
+    labels = gpu_labels(2, "0:03:00.0")
+    finding = labels.replace('gpu="2",', 'gpu="2",kind="dead_fan",')  # labels sorted by name
+    assert values[f"budgetgpu_gpu_health_finding{finding}"] == 1
+    assert values[f"DCGM_FI_DEV_XID_ERRORS{labels}"] == 79 and values[f"budgetgpu_gpu_xid_errors_total{labels}"] == 1
+
+
+def test_the_exposition_is_prometheus_clients_with_dcgm_names_kept_and_labels_escaped(watch):
+    script, _config, _inject = watch
+    samples = [
+        ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", {"gpu": "0", "modelName": 'odd "card"\\x'}, 900.0),
+        ("budgetgpu_gpu_xid_errors_total", {"gpu": "0"}, 2.0),
+        ("DCGM_FI_DEV_GPU_TEMP", {"gpu": "0"}, 88.0),
+    ]
+    text = script.exposition(script.gpu_metrics.METRICS, samples)
+    # In METRICS' order; dcgm-exporter's counter keeps its name (untyped), ours is a counter with _total.
+    assert text.splitlines() == [
+        "# HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).",
+        "# TYPE DCGM_FI_DEV_GPU_TEMP gauge",
+        'DCGM_FI_DEV_GPU_TEMP{gpu="0"} 88.0',
+        "# HELP DCGM_FI_DEV_PCIE_REPLAY_COUNTER Total number of PCIe retries.",
+        "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER untyped",
+        'DCGM_FI_DEV_PCIE_REPLAY_COUNTER{gpu="0",modelName="odd \\"card\\"\\\\x"} 900.0',
+        "# HELP budgetgpu_gpu_xid_errors_total Xid errors the health watch read in the kernel log.",
+        "# TYPE budgetgpu_gpu_xid_errors_total counter",
+        'budgetgpu_gpu_xid_errors_total{gpu="0"} 2.0',
+    ]
+    assert script.exposition(script.job_metrics.METRICS, []) == ""
 
 
 def test_a_pass_exports_the_jobs_status_and_drops_the_rate_once_the_unit_stopped(watch, tmp_path, monkeypatch):
@@ -221,12 +263,13 @@ def test_a_pass_exports_the_jobs_status_and_drops_the_rate_once_the_unit_stopped
 
     monkeypatch.setattr(script.subprocess, "run", systemctl)
     script.write_text(config["jobs_metrics_file"], script.job_metrics_text(config))
-    text = (tmp_path / "jobs.prom").read_text()
     assert asked == [["systemctl", "show", "--property=Id,ActiveState", "budgetgpu-job-demo.service"]]
-    assert 'budgetgpu_job_steps_per_second{job="demo"} 7.5' in text
-    assert 'budgetgpu_job_step_seconds{job="demo",rank="1",node="node2"} 0.051' in text
-    assert 'job="other"' not in text
+    values = metrics(tmp_path / "jobs.prom")
+    assert values['budgetgpu_job_steps_per_second{job="demo"}'] == 7.5
+    assert values['budgetgpu_job_step_seconds{job="demo",node="node2",rank="1"}'] == 0.051
+    assert not [key for key in values if 'job="other"' in key]
     script.write_text(config["jobs_metrics_file"], script.job_metrics_text(config))
-    text = (tmp_path / "jobs.prom").read_text()
-    assert "budgetgpu_job_steps_per_second" not in text and 'budgetgpu_job_running{job="demo"} 0' in text
-    assert 'budgetgpu_job_last_step{job="demo"} 40' in text
+    values = metrics(tmp_path / "jobs.prom")
+    assert not [key for key in values if key.startswith("budgetgpu_job_steps_per_second")]
+    assert values['budgetgpu_job_running{job="demo"}'] == 0
+    assert values['budgetgpu_job_last_step{job="demo"}'] == 40

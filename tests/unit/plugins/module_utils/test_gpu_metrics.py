@@ -1,9 +1,8 @@
-"""gpu_metrics: the watch's metrics in Prometheus' text format (dcgm-exporter names and labels where a
-twin exists), Xid counts across passes, and what is left out."""
+"""gpu_metrics: the watch's metric samples (dcgm-exporter names and labels where a twin exists), Xid counts
+across passes, and what is left out. The text format is prometheus_client's (tests/unit/scripts/
+test_gpu_health_script.py reads the watch's exposition back with prometheus_client's parser)."""
 
 from __future__ import annotations
-
-import re
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_metrics
 
@@ -33,24 +32,20 @@ LABELS = (
 )
 
 
-def parse(text: str) -> dict[str, float]:
-    """Return {'name{labels}': value}, checking the exposition format's shape on the way."""
-    values, typed = {}, set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            name, kind = line.split()[2:]
-            assert kind in ("gauge", "counter") and name not in typed, line
-            typed.add(name)
-        elif not line.startswith("# HELP "):
-            match = re.fullmatch(r"([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})? (\S+)", line)
-            assert match and match.group(1) in typed, line
-            values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return values
+def keyed(samples: list) -> dict[str, float]:
+    """Return {'name{labels}': value}, labels in the order the samples give them, each name in METRICS."""
+    found = {}
+    for name, labels, value in samples:
+        assert name in gpu_metrics.METRICS and isinstance(value, float), (name, value)
+        text = ",".join(f'{key}="{val}"' for key, val in labels.items())
+        found[name + ("{" + text + "}" if text else "")] = value
+    return found
 
 
 def test_dcgm_names_and_labels_for_the_twins():
-    text = gpu_metrics.render({"gpus": [GPU]}, STATE, "node1", {"0000:04:00.0": {"width": 4, "gen": 3}}, {}, 1.5)
-    values = parse(text)
+    values = keyed(
+        gpu_metrics.samples({"gpus": [GPU]}, STATE, "node1", {"0000:04:00.0": {"width": 4, "gen": 3}}, {}, 1.5)
+    )
     assert values["DCGM_FI_DEV_GPU_TEMP{" + LABELS + "}"] == 88
     assert values["DCGM_FI_DEV_POWER_USAGE{" + LABELS + "}"] == 251.5
     assert values["DCGM_FI_DEV_POWER_MGMT_LIMIT{" + LABELS + "}"] == 250
@@ -60,12 +55,11 @@ def test_dcgm_names_and_labels_for_the_twins():
     assert values["DCGM_FI_DEV_PCIE_REPLAY_COUNTER{" + LABELS + "}"] == 900
     assert values["DCGM_FI_DEV_PCIE_LINK_WIDTH{" + LABELS + "}"] == 1
     assert values["DCGM_FI_DEV_XID_ERRORS{" + LABELS + "}"] == 0
-    assert "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER counter" in text
     assert values['budgetgpu_gpu_health_last_pass_timestamp_seconds{Hostname="node1"}'] == 1.5
 
 
 def test_budgetgpu_metrics_for_what_dcgm_lacks():
-    values = parse(gpu_metrics.render({"gpus": [GPU]}, STATE, "node1", {"0000:04:00.0": {"width": 4, "gen": 3}}))
+    values = keyed(gpu_metrics.samples({"gpus": [GPU]}, STATE, "node1", {"0000:04:00.0": {"width": 4, "gen": 3}}))
     assert values["budgetgpu_gpu_fan_speed_percent{" + LABELS + ',fan="0"}'] == 0
     assert values["budgetgpu_gpu_fan_target_percent{" + LABELS + ',fan="0"}'] == 80
     assert values["budgetgpu_gpu_fan_speed_percent{" + LABELS + ',fan="1"}'] == 75
@@ -81,7 +75,7 @@ def test_budgetgpu_metrics_for_what_dcgm_lacks():
 
 def test_unsupported_and_unknown_values_are_left_out_and_a_healthy_gpu_reads_zero():
     gpu = {**GPU, "fans": "unsupported", "temperature_c": None, "name": "unsupported"}
-    values = parse(gpu_metrics.render({"gpus": [gpu]}, {}, "node1"))
+    values = keyed(gpu_metrics.samples({"gpus": [gpu]}, {}, "node1"))
     assert not any(
         key.startswith(("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_FAN_SPEED", "budgetgpu_gpu_fan_")) for key in values
     )
@@ -95,17 +89,12 @@ def test_unsupported_and_unknown_values_are_left_out_and_a_healthy_gpu_reads_zer
 
 
 def test_energy_in_millijoules_and_no_gpu_gives_only_the_node_line():
-    values = parse(gpu_metrics.render({"gpus": [{**GPU, "energy_total_j": 1234.5678}]}, {}, "n"))
+    values = keyed(gpu_metrics.samples({"gpus": [{**GPU, "energy_total_j": 1234.5678}]}, {}, "n"))
     assert values["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{" + LABELS.replace("node1", "n") + "}"] == 1234568
-    assert parse(gpu_metrics.render({"gpus": []}, {}, "n")) == {
+    assert keyed(gpu_metrics.samples({"gpus": []}, {}, "n")) == {
         'budgetgpu_gpu_health_gpus{Hostname="n"}': 0,
         'budgetgpu_gpu_health_gpus_expected{Hostname="n"}': 0,
     }
-
-
-def test_label_values_are_escaped():
-    text = gpu_metrics.render({"gpus": [{**GPU, "name": 'odd "card"\\x'}]}, {}, "n")
-    assert 'modelName="odd \\"card\\"\\\\x"' in text
 
 
 def test_xid_counts_grow_per_finding_and_keep_the_last_xid():
@@ -114,7 +103,7 @@ def test_xid_counts_grow_per_finding_and_keep_the_last_xid():
     assert counts == {UUID: {"last": 79, "total": 1}}
     again = gpu_metrics.xid_counts(counts, [{"gpu": UUID, "kind": "xid_48"}])
     assert again == {UUID: {"last": 48, "total": 2}} and counts[UUID]["total"] == 1
-    values = parse(gpu_metrics.render({"gpus": [GPU]}, {}, "node1", None, again))
+    values = keyed(gpu_metrics.samples({"gpus": [GPU]}, {}, "node1", None, again))
     assert values["DCGM_FI_DEV_XID_ERRORS{" + LABELS + "}"] == 48
     assert values["budgetgpu_gpu_xid_errors_total{" + LABELS + "}"] == 2
 
@@ -132,8 +121,8 @@ def test_a_gpu_that_is_gone_keeps_its_series_present_0_quarantined_and_its_last_
         "gpus": {UUID: {"status": "take_out", "reasons": {"gpu_missing": {}, "xid_79": {}}}},
         "quarantine": {UUID: {"by": "watch", "reason": "gone", "since": "t1"}},
     }
-    values = parse(
-        gpu_metrics.render({"gpus": [other]}, state, "node1", xids={UUID: {"last": 79, "total": 1}}, gone=[gone])
+    values = keyed(
+        gpu_metrics.samples({"gpus": [other]}, state, "node1", xids={UUID: {"last": 79, "total": 1}}, gone=[gone])
     )
     assert values["budgetgpu_gpu_present{" + LABELS + "}"] == 0
     assert values["budgetgpu_gpu_quarantined{" + LABELS + "}"] == 1

@@ -1,5 +1,6 @@
-"""job_metrics: a job's status file as Prometheus metrics (the names the alerts and the dashboard use),
-and no rate, ratio or step time left frozen when the job stopped or its status went stale."""
+"""job_metrics: a job's status file as Prometheus samples (the names the alerts and the dashboard use),
+and no rate, ratio or step time left frozen when the job stopped or its status went stale. The text format
+is prometheus_client's (tests/unit/scripts/test_gpu_health_script.py)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,18 @@ STATUS = {
 }
 
 
-def lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if not line.startswith("#")]
+def lines(samples: list) -> list[str]:
+    """The samples as 'name{labels} value' lines, grouped by METRICS' order as the watch writes them."""
+    return [
+        f"{name}{{{','.join(f'{key}={chr(34)}{val}{chr(34)}' for key, val in labels.items())}}} {value:g}"
+        for metric in job_metrics.METRICS
+        for name, labels, value in samples
+        if name == metric
+    ]
 
 
 def test_a_running_job_exports_its_rate_ratio_threshold_and_each_ranks_step_time():
-    text = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 12.5}])
+    text = job_metrics.samples([{"name": "demo", "status": STATUS, "active": True, "age_s": 12.5}])
     assert lines(text) == [
         'budgetgpu_job_running{job="demo"} 1',
         'budgetgpu_job_steps_per_second{job="demo"} 9.5',
@@ -45,13 +52,10 @@ def test_a_running_job_exports_its_rate_ratio_threshold_and_each_ranks_step_time
         'budgetgpu_job_restarts{job="demo"} 1',
         'budgetgpu_job_status_age_seconds{job="demo"} 12.5',
     ]
-    assert "# TYPE budgetgpu_job_steps_per_second gauge" in text.splitlines()
-    # One HELP and TYPE per name, before its samples.
-    assert text.count("# HELP budgetgpu_job_step_seconds ") == 1
 
 
 def test_a_stopped_job_leaves_no_rate_ratio_or_step_time_behind():
-    text = job_metrics.render([{"name": "demo", "status": STATUS, "active": False, "age_s": 12.5}])
+    text = job_metrics.samples([{"name": "demo", "status": STATUS, "active": False, "age_s": 12.5}])
     assert lines(text) == [
         'budgetgpu_job_running{job="demo"} 0',
         'budgetgpu_job_last_step{job="demo"} 400',
@@ -61,9 +65,9 @@ def test_a_stopped_job_leaves_no_rate_ratio_or_step_time_behind():
 
 
 def test_a_status_older_than_the_bound_is_stale_even_with_the_unit_active():
-    stale = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 900}])
+    stale = "\n".join(lines(job_metrics.samples([{"name": "demo", "status": STATUS, "active": True, "age_s": 900}])))
     assert "budgetgpu_job_steps_per_second" not in stale and 'budgetgpu_job_running{job="demo"} 0' in stale
-    fresh = job_metrics.render([{"name": "demo", "status": STATUS, "active": True, "age_s": 899}], stale_after=900)
+    fresh = lines(job_metrics.samples([{"name": "demo", "status": STATUS, "active": True, "age_s": 899}], 900))
     assert 'budgetgpu_job_running{job="demo"} 1' in fresh
     # Unknown unit state (systemd did not answer): the age alone decides.
     assert job_metrics.is_live(None, 10) and not job_metrics.is_live(None, 1000)
@@ -72,15 +76,15 @@ def test_a_status_older_than_the_bound_is_stale_even_with_the_unit_active():
 
 def test_a_status_without_a_straggler_report_yet_exports_what_it_has():
     status = {"step": 10, "steps_per_s": 3.25, "world": 1, "restarts": 0, "time": 5.0}
-    text = job_metrics.render([{"name": "one", "status": status, "active": True, "age_s": 1}])
-    assert "straggler_ratio" not in text and "step_seconds" not in text
+    text = lines(job_metrics.samples([{"name": "one", "status": status, "active": True, "age_s": 1}]))
+    assert not [line for line in text if "straggler_ratio" in line or "step_seconds" in line]
     assert 'budgetgpu_job_steps_per_second{job="one"} 3.25' in text
 
 
-def test_no_job_writes_an_empty_file_and_labels_are_escaped():
-    assert job_metrics.render([]) == ""
-    text = job_metrics.render([{"name": 'a"b', "status": {"step": 1}, "active": True, "age_s": 0}])
-    assert 'budgetgpu_job_last_step{job="a\\"b"} 1' in text
+def test_no_job_gives_no_sample_and_a_name_is_a_label_as_it_is():
+    assert job_metrics.samples([]) == []
+    found = job_metrics.samples([{"name": 'a"b', "status": {"step": 1}, "active": True, "age_s": 0}])
+    assert ("budgetgpu_job_last_step", {"job": 'a"b'}, 1.0) in found
 
 
 def test_systemctl_show_gives_each_units_state():
@@ -103,7 +107,7 @@ def test_the_unit_names_and_status_file_are_the_job_models():
 
 def test_each_ranks_step_breakdown_is_exported_by_part():
     ranks = [{"rank": 0, "host": "node1", "local_rank": 0, "step_s": 0.5, "comm_s": 0.3, "data_s": 0.2, "wall_s": 1.0}]
-    text = job_metrics.render([{"name": "demo", "status": {**STATUS, "ranks": ranks}, "active": True, "age_s": 1.0}])
+    text = job_metrics.samples([{"name": "demo", "status": {**STATUS, "ranks": ranks}, "active": True, "age_s": 1.0}])
     found = [line for line in lines(text) if "breakdown" in line or "wall" in line]
     assert found == [
         'budgetgpu_job_step_breakdown_seconds{job="demo",rank="0",node="node1",part="compute"} 0.5',

@@ -59,6 +59,6 @@ def test_the_size_bound_is_one_mib():
 def test_lone_surrogates_and_bytes_that_are_not_utf8_are_replaced():
     status = job_metrics.parse_status(b'{"straggler": "slow \\ud800 rank", "ranks": [{"host": "n\xff1"}]}')
     assert status == {"straggler": "slow \ufffd rank", "ranks": [{"host": "n\ufffd1"}]}
-    text = job_metrics.render([{"name": "job\udcff", "status": status, "active": True, "age_s": 1}])
-    assert 'budgetgpu_job_running{job="job\ufffd"} 1' in text
-    text.encode("utf-8")
+    found = job_metrics.samples([{"name": "job\udcff", "status": status, "active": True, "age_s": 1}])
+    assert ("budgetgpu_job_running", {"job": "job\ufffd"}, 1.0) in found
+    str(found).encode("utf-8")
