@@ -164,7 +164,7 @@ def test_what_a_jobs_user_plants_costs_that_jobs_metrics_only_and_a_cut_state_sk
         run_pass(host)
         assert time.monotonic() - started < 20
         text = host.check_output("cat /var/lib/budgetgpu/gpu-health/jobs.prom")
-        assert 'budgetgpu_job_last_step{job="good"} 7' in text and 'job="zero"' not in text
+        assert 'budgetgpu_job_last_step{job="good"} 7.0' in text and 'job="zero"' not in text
         lines = journal(host)[before:]
         for job, words in (
             ("zero", "a symbolic link, expected a regular file"),

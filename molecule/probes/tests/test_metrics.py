@@ -178,7 +178,7 @@ def test_a_jobs_status_becomes_its_metrics_and_a_stopped_job_leaves_no_rate(host
     finally:
         node.check_output(f"systemctl stop budgetgpu-job-probe.service && {WATCH}")
     text = node.check_output("cat /var/lib/prometheus/node-exporter/budgetgpu_jobs.prom")
-    assert 'budgetgpu_job_running{job="probe"} 0' in text and "budgetgpu_job_steps_per_second" not in text
+    assert 'budgetgpu_job_running{job="probe"} 0.0' in text and "budgetgpu_job_steps_per_second" not in text
     wait_for(lambda: query(host, 'budgetgpu_job_steps_per_second{job="probe"}'), lambda got: got == [])
     wait_for(lambda: alerts(host, "BudgetgpuJobStraggler"), lambda got: got == [])
     node.check_output(f"rm -r /var/lib/budgetgpu/jobs/probe && {WATCH}")
