@@ -378,28 +378,32 @@ def rapl_update(
     }
 
 
-def rapl_metrics(state: Mapping[str, Any], base_watts: float) -> str:
-    """Node exporter's textfile of the reader's state: the CPU's energy per RAPL zone (a counter that
-    never goes back: wraps and reboots are taken out) and the estimate of what the node draws beside
-    its GPUs. By hand, as gpu_metrics.py: root's system Python runs the reader, without prometheus_client."""
-    lines = [
-        "# HELP budgetgpu_node_cpu_energy_joules_total CPU energy by RAPL (package, DRAM) since the reader began.",
-        "# TYPE budgetgpu_node_cpu_energy_joules_total counter",
+# The RAPL reader's metrics, {name: (type, help)}: module_utils/textfile.py writes rapl_samples under them.
+RAPL_METRICS = {
+    "budgetgpu_node_cpu_energy_joules_total": (
+        "counter",
+        "CPU energy by RAPL (package, DRAM) since the reader began.",
+    ),
+    "budgetgpu_node_cpu_energy_zones": (
+        "gauge",
+        "RAPL zones the reader counts (0: no RAPL, the CPU is in the estimate).",
+    ),
+    "budgetgpu_node_base_watts": ("gauge", "What the node draws beside its GPUs, CPU included (an estimate)."),
+    "budgetgpu_node_cpu_energy_read_timestamp_seconds": ("gauge", "When the RAPL reader last read the counters."),
+}
+
+
+def rapl_samples(state: Mapping[str, Any], base_watts: float) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of the reader's state for node exporter's textfile: the CPU's energy per RAPL
+    zone (a counter that never goes back: wraps and reboots are taken out) and the estimate of what the
+    node draws beside its GPUs."""
+    zones = sorted((state.get("zones") or {}).values(), key=lambda z: z["zone"])
+    return [
+        *(("budgetgpu_node_cpu_energy_joules_total", {"zone": str(z["zone"])}, float(z["joules"])) for z in zones),
+        ("budgetgpu_node_cpu_energy_zones", {}, float(len(zones))),
+        ("budgetgpu_node_base_watts", {}, float(base_watts)),
+        ("budgetgpu_node_cpu_energy_read_timestamp_seconds", {}, float(state.get("time") or 0)),
     ]
-    for zone in sorted((state.get("zones") or {}).values(), key=lambda z: z["zone"]):
-        lines.append(f'budgetgpu_node_cpu_energy_joules_total{{zone="{zone["zone"]}"}} {zone["joules"]:.6f}')
-    lines += [
-        "# HELP budgetgpu_node_cpu_energy_zones RAPL zones the reader counts (0: no RAPL, the CPU is in the estimate).",
-        "# TYPE budgetgpu_node_cpu_energy_zones gauge",
-        f"budgetgpu_node_cpu_energy_zones {len(state.get('zones') or {})}",
-        "# HELP budgetgpu_node_base_watts What the node draws beside its GPUs, CPU included (an estimate).",
-        "# TYPE budgetgpu_node_base_watts gauge",
-        f"budgetgpu_node_base_watts {float(base_watts):g}",
-        "# HELP budgetgpu_node_cpu_energy_read_timestamp_seconds When the RAPL reader last read the counters.",
-        "# TYPE budgetgpu_node_cpu_energy_read_timestamp_seconds gauge",
-        f"budgetgpu_node_cpu_energy_read_timestamp_seconds {float(state.get('time') or 0):.3f}",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def cpu_reading(state: Any) -> dict[str, float] | None:

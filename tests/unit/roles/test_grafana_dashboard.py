@@ -67,10 +67,12 @@ def fixture_exported() -> set[str]:
 
 
 def _rapl_reader_metrics() -> set[str]:
-    """The names role node_exporter's RAPL reader writes, from energy.rapl_metrics itself."""
+    """The names role node_exporter's RAPL reader writes, from energy.rapl_samples itself."""
     zone = {"zone": "package-0", "energy_uj": 1, "max_energy_range_uj": 9}
-    text = energy.rapl_metrics(energy.rapl_update(None, {"intel-rapl:0": zone}, 0, "b"), 200)
-    return {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        name
+        for name, _labels, _value in energy.rapl_samples(energy.rapl_update(None, {"intel-rapl:0": zone}, 0, "b"), 200)
+    }
 
 
 @pytest.fixture(name="dashboard")

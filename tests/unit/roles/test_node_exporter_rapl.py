@@ -22,11 +22,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the reader accepts on
 
 @pytest.fixture
 def installed(tmp_path):
-    """The reader and energy.py side by side, as the role installs them."""
+    """The reader, energy.py and textfile.py side by side, as the role installs them."""
     home = tmp_path / "opt"
     home.mkdir()
     shutil.copy(READER, home / "budgetgpu-rapl")
-    shutil.copy(REPO / "plugins" / "module_utils" / "energy.py", home / "energy.py")
+    for name in ("energy.py", "textfile.py"):
+        shutil.copy(REPO / "plugins" / "module_utils" / name, home / name)
     state = tmp_path / "state"
     state.mkdir(mode=0o755)
     return home / "budgetgpu-rapl", state
@@ -48,6 +49,17 @@ def run(reader: Path, state: Path, root: Path, *extra: str) -> subprocess.Comple
     return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
 
 
+def values(path: Path) -> dict[str, float]:
+    """{'name{labels}': value} of the textfile, by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        sample.name + "".join(f'{{{k}="{v}"}}' for k, v in sample.labels.items()): sample.value
+        for family in text_string_to_metric_families(path.read_text())
+        for sample in family.samples
+    }
+
+
 def test_passes_count_across_the_wrap_and_write_the_textfile(installed, tmp_path):
     reader, state = installed
     root = tmp_path / "powercap"
@@ -58,9 +70,10 @@ def test_passes_count_across_the_wrap_and_write_the_textfile(installed, tmp_path
     assert done.returncode == 0, done.stderr
     saved = json.loads((state / "energy.json").read_text())
     assert saved["joules"] == pytest.approx(10) and list(saved["zones"]) == ["intel-rapl:0"]
-    text = (state / "rapl.prom").read_text().splitlines()
-    assert 'budgetgpu_node_cpu_energy_joules_total{zone="package-0"} 10.000000' in text
-    assert "budgetgpu_node_base_watts 180" in text
+    found = values(state / "rapl.prom")
+    assert found['budgetgpu_node_cpu_energy_joules_total{zone="package-0"}'] == pytest.approx(10)
+    assert found["budgetgpu_node_base_watts"] == 180
+    assert "# TYPE budgetgpu_node_cpu_energy_joules_total counter" in (state / "rapl.prom").read_text()
     for name in ("energy.json", "rapl.prom"):
         assert (state / name).stat().st_mode & 0o777 == 0o644, "node exporter and the summary read them"
     assert sorted(p.name for p in state.iterdir()) == ["energy.json", "rapl.prom"], "no temporary file left"
@@ -71,8 +84,8 @@ def test_a_node_without_rapl_exports_the_estimate_only(installed, tmp_path):
     done = run(reader, state, tmp_path / "no-powercap")
     assert done.returncode == 0
     assert "no RAPL zone" in done.stdout
-    text = (state / "rapl.prom").read_text()
-    assert "budgetgpu_node_cpu_energy_zones 0" in text and "budgetgpu_node_base_watts 200" in text
+    found = values(state / "rapl.prom")
+    assert found["budgetgpu_node_cpu_energy_zones"] == 0 and found["budgetgpu_node_base_watts"] == 200
 
 
 def test_a_state_directory_others_may_write_or_a_link_is_refused(installed, tmp_path):

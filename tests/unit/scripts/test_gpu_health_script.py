@@ -229,7 +229,7 @@ def test_the_exposition_is_prometheus_clients_with_dcgm_names_kept_and_labels_es
         ("budgetgpu_gpu_xid_errors_total", {"gpu": "0"}, 2.0),
         ("DCGM_FI_DEV_GPU_TEMP", {"gpu": "0"}, 88.0),
     ]
-    text = script.exposition(script.gpu_metrics.METRICS, samples)
+    text = script.textfile.exposition(script.gpu_metrics.METRICS, samples)
     # In METRICS' order; dcgm-exporter's counter keeps its name (untyped), ours is a counter with _total.
     assert text.splitlines() == [
         "# HELP DCGM_FI_DEV_GPU_TEMP GPU temperature (in C).",
@@ -242,7 +242,7 @@ def test_the_exposition_is_prometheus_clients_with_dcgm_names_kept_and_labels_es
         "# TYPE budgetgpu_gpu_xid_errors_total counter",
         'budgetgpu_gpu_xid_errors_total{gpu="0"} 2.0',
     ]
-    assert script.exposition(script.job_metrics.METRICS, []) == ""
+    assert script.textfile.exposition(script.job_metrics.METRICS, []) == ""
 
 
 def test_a_pass_exports_the_jobs_status_and_drops_the_rate_once_the_unit_stopped(watch, tmp_path, monkeypatch):

@@ -262,16 +262,20 @@ def test_rapl_totals_run_on_across_a_wrap_and_a_reboot(tmp_path):
     assert energy.cpu_reading(fourth) == {"time": 660, "joules": pytest.approx(12)}
 
 
-def test_rapl_metrics_and_the_reading_without_rapl():
+def test_rapl_samples_and_the_reading_without_rapl():
     state = energy.rapl_update(
         None, {"intel-rapl:0": {"zone": "package-0", "energy_uj": 1, "max_energy_range_uj": 9}}, 5, "b"
     )
-    text = energy.rapl_metrics(state, 200)
-    assert 'budgetgpu_node_cpu_energy_joules_total{zone="package-0"} 0.000000' in text.splitlines()
-    assert "budgetgpu_node_base_watts 200" in text.splitlines()
-    assert "budgetgpu_node_cpu_energy_zones 1" in text.splitlines()
+    assert energy.rapl_samples(state, 200) == [
+        ("budgetgpu_node_cpu_energy_joules_total", {"zone": "package-0"}, 0.0),
+        ("budgetgpu_node_cpu_energy_zones", {}, 1.0),
+        ("budgetgpu_node_base_watts", {}, 200.0),
+        ("budgetgpu_node_cpu_energy_read_timestamp_seconds", {}, 5.0),
+    ]
+    assert {name for name, _labels, _value in energy.rapl_samples(state, 200)} == set(energy.RAPL_METRICS)
     empty = energy.rapl_update(None, {}, 5, "b")
-    assert energy.cpu_reading(empty) is None and "budgetgpu_node_cpu_energy_zones 0" in energy.rapl_metrics(empty, 200)
+    assert energy.cpu_reading(empty) is None
+    assert ("budgetgpu_node_cpu_energy_zones", {}, 0.0) in energy.rapl_samples(empty, 200)
     assert energy.cpu_reading({"zones": {"x": {}}, "time": "soon", "joules": 1}) is None
 
 
