@@ -1,5 +1,6 @@
 """Filters for torchrun jobs, on top of the job model (plugins/plugin_utils/jobs.py): fill a job
-with its defaults, summarise what each node knows about itself, turn a job into one node's unit.
+with its defaults, turn a job into one node's unit; and what each node knows about itself
+(plugins/plugin_utils/nodes.py).
 
 Each filter is documented beside this file (<filter>.yml, ``ansible-doc -t filter``).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.unit_sandbox import unit_hardening
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs, nodes
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
 # Other plugins import these names from here.
@@ -28,7 +29,7 @@ torchrun_argv = as_filter(jobs.torchrun_argv)
 torchrun_environment = jobs.torchrun_environment
 torchrun_masters_unknown = jobs.torchrun_masters_unknown
 torchrun_recorded_masters = jobs.torchrun_recorded_masters
-cluster_nodes = jobs.cluster_nodes
+cluster_nodes = nodes.cluster_nodes
 systemd_quote = jobs.systemd_quote
 systemd_exec = jobs.systemd_exec
 systemd_show = jobs.systemd_show

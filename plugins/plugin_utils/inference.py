@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, job_nproc, node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, job_nproc
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
 
 SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 TASKS = ("embeddings", "generation")

@@ -22,9 +22,9 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     JOB_NAME,
     TRAINING_KEYS,
     coerce_numbers,
-    node_info,
     training_environment,
 )
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import (
     compression_backend_problems,
     training_bads,

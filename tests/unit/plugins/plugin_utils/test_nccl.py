@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import choose_cluster_interface
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import nccl
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
 
 SUBNET = "192.168.10.0/24"
 
