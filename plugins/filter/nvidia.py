@@ -37,7 +37,7 @@ class FilterModule:
         return {
             "nvidia_module_flavor": nvidia_module_flavor,
             "nvidia_module_flavor_decision": module_flavor_decision,
-            "nvidia_module_options_problems": module_options_problems,
+            "nvidia_driver_input_problems": driver.driver_input_problems,
             "nvidia_secure_boot_enabled": secure_boot_enabled,
             "nvidia_driver_branch": driver_branch,
             "deb_upstream_version": deb_upstream_version,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Mapping
 from typing import Any
 
 FLAVORS = ("open", "proprietary")
@@ -314,3 +315,89 @@ def module_options_problems(options: Any, host: str = "this host") -> list[str]:
                 f"e.g. nvidia: {{NVreg_PreserveVideoMemoryAllocations: 1}}; found {values}"
             )
     return problems
+
+
+def _branch_problems(inputs: Mapping[str, Any], host: str, where: str) -> list[str]:
+    """nvidia_driver_branch: a three-digit branch; Debian's archive ships one."""
+    branch, source = inputs.get("branch"), inputs.get("source")
+    problems = []
+    if branch is None or not re.match(r"^[0-9]{3}$", str(branch)):
+        problems.append(
+            f"{host}: nvidia_driver_branch is '{inputs.get('branch_asked')}' (source {source} on {where}): expected a "
+            "driver branch number such as 550"
+        )
+    debian = inputs.get("debian_branch")
+    if source == "debian" and str(branch) != str(debian):
+        problems.append(
+            f"{host}: nvidia_driver_branch is {branch} but Debian {inputs.get('major_version')}'s non-free archive "
+            f"ships branch {debian}: leave nvidia_driver_branch unset, or set nvidia_driver_source to nvidia_repo for "
+            "another branch"
+        )
+    return problems
+
+
+def _branch_change_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
+    """Another branch installed than the one asked for: replaced only when allowed (a reboot follows)."""
+    branch, installed = inputs.get("branch"), [str(b) for b in inputs.get("installed_branches") or []]
+    if not [b for b in installed if b != str(branch)] or inputs.get("allow_branch_change"):
+        return []
+    return [
+        f"{host}: driver branch {', '.join(installed)} is installed and nvidia_driver_branch asks for {branch}: set "
+        "nvidia_driver_allow_branch_change: true to replace it (the node then needs a reboot), or set "
+        "nvidia_driver_branch to the installed branch"
+    ]
+
+
+def _secure_boot_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
+    """Secure Boot on: refused unless the module will load (signed with an enrolled MOK, or validation off)."""
+    if not inputs.get("secure_boot_on"):
+        return []
+    if inputs.get("secure_boot") == "refuse":
+        return [
+            f"{host}: Secure Boot is on and nvidia_driver_secure_boot is 'refuse': an unsigned nvidia module will not "
+            "load. Either enroll a MOK for DKMS and set nvidia_driver_secure_boot: mok_signed, or disable validation "
+            "(mokutil --disable-validation) and set nvidia_driver_secure_boot: unsigned, or turn Secure Boot off"
+        ]
+    if inputs.get("secure_boot") == "mok_signed" and inputs.get("mok_missing"):
+        key, cert = inputs.get("mok_key"), inputs.get("mok_cert")
+        return [
+            f"{host}: nvidia_driver_secure_boot is mok_signed but {key} or {cert} is missing: create them (dkms "
+            f"generate_mok), enroll the certificate (mokutil --import {cert}, confirm at the console on the next "
+            "boot), then run again"
+        ]
+    return []
+
+
+def driver_input_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role nvidia_driver's inputs on one node, each naming the host and the
+    variable (role nvidia_driver's one input check); an unsupported OS alone when it is one. inputs:
+    host, distribution, version, major_version, supported_versions, source_asked, source,
+    supported_sources, branch_asked, branch, debian_branch (the branch Debian's archive ships),
+    ubuntu_server, module_options, flavor_problem, secure_boot_on, secure_boot, mok_key, mok_cert,
+    mok_missing, installed_branches, allow_branch_change."""
+    host, distribution, version = inputs.get("host"), inputs.get("distribution"), str(inputs.get("version"))
+    versions = [str(v) for v in inputs.get("supported_versions") or []]
+    if distribution not in ("Debian", "Ubuntu") or not re.match(
+        rf"^({'|'.join(map(re.escape, versions))})(\.|$)", version
+    ):
+        supported = f"{distribution} {', '.join(versions)}" if distribution in ("Debian", "Ubuntu") else None
+        return [
+            f"{host}: runs {distribution} {version}; budgetgpu.cluster.nvidia_driver supports "
+            f"{supported or 'Ubuntu 22.04/24.04 and Debian 12/13'}"
+        ]
+    problems = []
+    sources = list(inputs.get("supported_sources") or [])
+    if inputs.get("source") not in sources:
+        problems.append(
+            f"{host}: nvidia_driver_source is '{inputs.get('source_asked')}' but the node runs {distribution}: use one "
+            f"of auto, {', '.join(sources)}"
+        )
+    problems += _branch_problems(inputs, host, f"{distribution} {version}")
+    if inputs.get("ubuntu_server") and inputs.get("source") != "ubuntu":
+        problems.append(
+            f"{host}: nvidia_driver_ubuntu_server is true but the source is {inputs.get('source')}: the -server "
+            "packages exist in Ubuntu's archive only"
+        )
+    problems += module_options_problems(inputs.get("module_options"), host)
+    problems += [inputs["flavor_problem"]] if inputs.get("flavor_problem") else []
+    return problems + _secure_boot_problems(inputs, host) + _branch_change_problems(inputs, host)

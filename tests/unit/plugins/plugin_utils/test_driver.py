@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (
+    driver_input_problems,
     module_flavor_decision,
     module_options_problems,
 )
@@ -33,3 +34,92 @@ def test_module_options_problems_name_host_variable_and_entry():
     assert module_options_problems("nvidia=1", "node1") == [
         "node1: nvidia_driver_module_options is str, expected a mapping"
     ]
+
+
+GOOD = {
+    "host": "node1",
+    "distribution": "Debian",
+    "version": "12.7",
+    "major_version": "12",
+    "supported_versions": ["12", "13"],
+    "source_asked": "auto",
+    "source": "debian",
+    "supported_sources": ["debian", "nvidia_repo"],
+    "branch_asked": None,
+    "branch": 535,
+    "debian_branch": 535,
+    "ubuntu_server": False,
+    "module_options": {},
+    "flavor_problem": None,
+    "secure_boot_on": False,
+    "secure_boot": "refuse",
+    "mok_key": "/var/lib/dkms/mok.key",
+    "mok_cert": "/var/lib/dkms/mok.pub",
+    "mok_missing": True,
+    "installed_branches": [],
+    "allow_branch_change": False,
+}
+
+
+def test_driver_inputs_that_fit_give_no_problem():
+    assert driver_input_problems(GOOD) == []
+    assert driver_input_problems({**GOOD, "installed_branches": [535]}) == []
+    assert driver_input_problems({**GOOD, "secure_boot_on": True, "secure_boot": "unsigned"}) == []
+
+
+def test_an_unsupported_os_is_the_only_problem_and_its_other_inputs_are_not_read():
+    assert driver_input_problems(
+        {"host": "n", "distribution": "Fedora", "version": "40", "supported_versions": []}
+    ) == ["n: runs Fedora 40; budgetgpu.cluster.nvidia_driver supports Ubuntu 22.04/24.04 and Debian 12/13"]
+    assert driver_input_problems({**GOOD, "version": "11.9", "source": "bogus", "branch": "x"}) == [
+        "node1: runs Debian 11.9; budgetgpu.cluster.nvidia_driver supports Debian 12, 13"
+    ]
+    # 120.04 is not 12: the version must match a supported one up to a dot.
+    assert driver_input_problems({**GOOD, "version": "120.04"})[0].startswith("node1: runs Debian 120.04;")
+
+
+def test_every_problem_of_a_tired_persons_inputs_is_named_in_order():
+    bad = {
+        **GOOD,
+        "source_asked": "ubunut",
+        "source": "ubunut",
+        "branch_asked": "55",
+        "branch": "55",
+        "ubuntu_server": True,
+        "module_options": {"nvidia": "NVreg_X=1"},
+        "flavor_problem": "node1: nvidia_driver_kernel_modules is open but GPU 0 is a Pascal card",
+        "secure_boot_on": True,
+        "installed_branches": [535],
+    }
+    problems = driver_input_problems(bad)
+    assert [p.split(": ", 2)[1].split(" ")[0] for p in problems] == [
+        "nvidia_driver_source",
+        "nvidia_driver_branch",
+        "nvidia_driver_ubuntu_server",
+        "nvidia_driver_module_options['nvidia']",
+        "nvidia_driver_kernel_modules",
+        "Secure",
+        "driver",
+    ]
+    assert all(p.startswith("node1: ") for p in problems)
+    assert "use one of auto, debian, nvidia_repo" in problems[0]
+    assert "'55' (source ubunut on Debian 12.7): expected a driver branch number such as 550" in problems[1]
+    assert "driver branch 535 is installed and nvidia_driver_branch asks for 55" in problems[-1]
+
+
+def test_debian_archive_ships_one_branch_and_mok_signing_needs_its_key():
+    problems = driver_input_problems({**GOOD, "branch": 550})
+    assert problems == [
+        "node1: nvidia_driver_branch is 550 but Debian 12's non-free archive ships branch 535: leave "
+        "nvidia_driver_branch unset, or set nvidia_driver_source to nvidia_repo for another branch"
+    ]
+    mok = driver_input_problems({**GOOD, "secure_boot_on": True, "secure_boot": "mok_signed"})
+    assert mok == [
+        "node1: nvidia_driver_secure_boot is mok_signed but /var/lib/dkms/mok.key or /var/lib/dkms/mok.pub is "
+        "missing: create them (dkms generate_mok), enroll the certificate (mokutil --import /var/lib/dkms/mok.pub, "
+        "confirm at the console on the next boot), then run again"
+    ]
+    assert (
+        driver_input_problems({**GOOD, "secure_boot_on": True, "secure_boot": "mok_signed", "mok_missing": False}) == []
+    )
+    assert driver_input_problems({**GOOD, "installed_branches": [470], "allow_branch_change": True}) == []
