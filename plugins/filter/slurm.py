@@ -27,6 +27,6 @@ class FilterModule:
             "slurm_mem_per_cpu": as_filter(_slurm.mem_per_cpu),
             "slurm_gres_problems": as_filter(_slurm.gres_problems),
             "slurm_job_costs": as_filter(_slurm.job_costs),
-            "slurm_port_range_problems": as_filter(_slurm.port_range_problems),
+            "slurm_preflight_problems": _slurm.preflight_problems,
             "slurm_batch_jobs": as_filter(_slurm_batch.batch_jobs),
         }

@@ -7,6 +7,7 @@ what cgroup.conf may constrain on the node's kernel. Controller side, pure over 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -258,6 +259,44 @@ def port_range_problems(ranges: Mapping[str, Any], host: str) -> list[str]:
                 problems.append(
                     f"{host}: {name} ({ranges[name]}) overlaps {other} ({ranges[other]}), expected separate ranges"
                 )
+    return problems
+
+
+_CHECKPOINT_ROOT = re.compile(r"/\S*[^/\s]")
+
+
+def preflight_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role slurm's cluster inputs, each naming the host and the variable (the
+    role's first check, once a run). inputs: host, controller_host, all_hosts, controller_group (the hosts
+    of group slurm_controller), node_hosts, play_hosts, srun_port_range, rendezvous_ports, checkpoint_root."""
+    host, controller = inputs.get("host"), inputs.get("controller_host")
+    problems = []
+    if controller not in (inputs.get("all_hosts") or []):
+        problems.append(
+            f"{host}: slurm_controller_host: found {json.dumps(controller)}, expected the one host of group "
+            "slurm_controller"
+        )
+    group = list(inputs.get("controller_group") or [])
+    if len(group) > 1:
+        problems.append(f"{host}: group slurm_controller: found {', '.join(group)}, expected one host (one slurmctld)")
+    nodes = list(inputs.get("node_hosts") or [])
+    if not nodes:
+        problems.append(f"{host}: slurm_node_hosts: found none, expected the GPU nodes")
+    problems += [
+        f"{host}: slurm_node_hosts: {node} is not in this play, expected every node (their facts make slurm.conf)"
+        for node in nodes
+        if node not in (inputs.get("play_hosts") or [])
+    ]
+    ranges = {
+        name: inputs.get(name.replace("slurm_", "")) for name in ("slurm_srun_port_range", "slurm_rendezvous_ports")
+    }
+    problems += port_range_problems(ranges, host)
+    root = inputs.get("checkpoint_root")
+    if not isinstance(root, str) or not _CHECKPOINT_ROOT.fullmatch(root):
+        problems.append(
+            f"{host}: slurm_checkpoint_root: found {json.dumps(root)}, expected an absolute directory without spaces "
+            "(each job keeps its checkpoints in <root>/<user>/<job id>)"
+        )
     return problems
 
 

@@ -253,3 +253,44 @@ def test_overlapping_port_ranges_are_refused_by_name():
         "node1: slurm_rendezvous_ports (29600-29900) overlaps slurm_srun_port_range (29900-30100),"
         " expected separate ranges"
     ]
+
+
+SLURM_INPUTS = {
+    "host": "ctl",
+    "controller_host": "ctl",
+    "all_hosts": ["ctl", "node1", "node2"],
+    "controller_group": ["ctl"],
+    "node_hosts": ["node1", "node2"],
+    "play_hosts": ["ctl", "node1", "node2"],
+    "srun_port_range": "60001-60100",
+    "rendezvous_ports": "29600-29999",
+    "checkpoint_root": "/srv/checkpoints",
+}
+
+
+def test_slurm_inputs_that_fit_have_no_problem():
+    assert slurm.preflight_problems(SLURM_INPUTS) == []
+
+
+def test_every_slurm_input_problem_names_the_host_and_the_variable():
+    bad = {
+        **SLURM_INPUTS,
+        "controller_host": "ctrl",
+        "controller_group": ["ctl", "ctl2"],
+        "node_hosts": ["node1", "node3"],
+        "rendezvous_ports": "29600",
+        "checkpoint_root": "/srv/check points/",
+    }
+    assert slurm.preflight_problems(bad) == [
+        'ctl: slurm_controller_host: found "ctrl", expected the one host of group slurm_controller',
+        "ctl: group slurm_controller: found ctl, ctl2, expected one host (one slurmctld)",
+        "ctl: slurm_node_hosts: node3 is not in this play, expected every node (their facts make slurm.conf)",
+        "ctl: slurm_rendezvous_ports: found '29600', expected a port range LOW-HIGH within 1024-65535",
+        'ctl: slurm_checkpoint_root: found "/srv/check points/", expected an absolute directory without spaces'
+        " (each job keeps its checkpoints in <root>/<user>/<job id>)",
+    ]
+    assert slurm.preflight_problems({**SLURM_INPUTS, "node_hosts": [], "checkpoint_root": None}) == [
+        "ctl: slurm_node_hosts: found none, expected the GPU nodes",
+        "ctl: slurm_checkpoint_root: found null, expected an absolute directory without spaces"
+        " (each job keeps its checkpoints in <root>/<user>/<job id>)",
+    ]
