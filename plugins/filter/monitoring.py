@@ -7,6 +7,7 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
+    alertmanager_problems,
     alertmanager_targets,
     alertmanager_url,
     firewall_rules,
@@ -25,6 +26,7 @@ class FilterModule:
             "monitoring_prometheus_url": prometheus_url,
             "monitoring_alertmanager_url": alertmanager_url,
             "monitoring_alertmanager_targets": alertmanager_targets,
+            "monitoring_alertmanager_problems": alertmanager_problems,
             "monitoring_inference_targets": as_filter(inference_scrape_targets),
             "firewall_rules": as_filter(firewall_rules),
         }

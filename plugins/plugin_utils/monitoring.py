@@ -139,3 +139,41 @@ def firewall_rules(ports: list[Mapping[str, Any]], hostvars: Mapping[str, Any]) 
         verdict = entry.get("verdict") or "reject with tcp reset"
         rules.append({**entry, "ports": spans, "allow": allow, "name": name, "verdict": verdict})
     return rules
+
+
+_DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")
+ALERTMANAGER_DURATIONS = (
+    "alertmanager_group_wait",
+    "alertmanager_group_interval",
+    "alertmanager_repeat_interval",
+    "alertmanager_warning_repeat_interval",
+    "alertmanager_retention",
+)
+
+
+def alertmanager_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role alertmanager's inputs ({variable without the alertmanager_ prefix:
+    value}): a webhook that is not an http(s) URL (never shown: it may hold a token), e-mail without a
+    relay HOST:PORT and a sender, a receiver that is neither webhook nor email, a duration Alertmanager
+    cannot read."""
+    problems = []
+    webhook = str(inputs.get("webhook_url") or "")
+    if webhook and not re.match(r"https?://[^/\s]+", webhook):
+        problems.append("alertmanager_webhook_url is not an http(s) URL, expected http(s)://HOST[:PORT]/PATH")
+    relay, sender = str(inputs.get("smtp_smarthost") or ""), str(inputs.get("smtp_from") or "")
+    if inputs.get("email_to") and not (re.fullmatch(r"[^\s:]+:[0-9]+", relay) and "@" in sender):
+        problems.append(
+            f'alertmanager_email_to is set, expected alertmanager_smtp_smarthost as HOST:PORT (found "{relay}") and an '
+            f'address in alertmanager_smtp_from (found "{sender}")'
+        )
+    receivers = list(inputs.get("critical_receivers") or []) + list(inputs.get("warning_receivers") or [])
+    problems += [
+        f"alertmanager_*_receivers name {name}, expected webhook or email"
+        for name in dict.fromkeys(receivers)
+        if name not in ("webhook", "email")
+    ]
+    return problems + [
+        f"{name} is not a duration (30s, 5m, 4h)"
+        for name in ALERTMANAGER_DURATIONS
+        if not _DURATION.fullmatch(str(inputs.get(name.removeprefix("alertmanager_"))))
+    ]

@@ -160,3 +160,49 @@ def test_a_comma_list_of_ports_is_split():
 
     rule = firewall_rules([{"port": "6817, 6818,60001-60100", "what": "Slurm"}], HOSTVARS)[0]
     assert rule["ports"] == ["6817", "6818", "60001-60100"]
+
+
+ALERTMANAGER = {
+    "webhook_url": "",
+    "email_to": "",
+    "smtp_smarthost": "",
+    "smtp_from": "",
+    "critical_receivers": ["webhook", "email"],
+    "warning_receivers": ["email"],
+    "group_wait": "30s",
+    "group_interval": "5m",
+    "repeat_interval": "4h",
+    "warning_repeat_interval": "1d",
+    "retention": "120h",
+}
+
+
+def test_alertmanager_inputs_that_fit_have_no_problem():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import alertmanager_problems
+
+    assert alertmanager_problems(ALERTMANAGER) == []
+    mail = {"email_to": "oncall@example.org", "smtp_smarthost": "smtp.example.org:587", "smtp_from": "b@example.org"}
+    assert alertmanager_problems({**ALERTMANAGER, "webhook_url": "https://hooks.example.org/T0K3N", **mail}) == []
+
+
+def test_every_alertmanager_problem_names_its_variable_and_never_the_webhook():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import alertmanager_problems
+
+    bad = {
+        **ALERTMANAGER,
+        "webhook_url": "hooks.example.org/s3cr3t",
+        "email_to": "oncall@example.org",
+        "smtp_smarthost": "smtp.example.org",
+        "smtp_from": "budgetgpu",
+        "warning_receivers": ["slack", "email", "slack"],
+        "retention": "5 days",
+    }
+    problems = alertmanager_problems(bad)
+    assert problems == [
+        "alertmanager_webhook_url is not an http(s) URL, expected http(s)://HOST[:PORT]/PATH",
+        'alertmanager_email_to is set, expected alertmanager_smtp_smarthost as HOST:PORT (found "smtp.example.org")'
+        ' and an address in alertmanager_smtp_from (found "budgetgpu")',
+        "alertmanager_*_receivers name slack, expected webhook or email",
+        "alertmanager_retention is not a duration (30s, 5m, 4h)",
+    ]
+    assert "s3cr3t" not in " ".join(problems)
