@@ -35,4 +35,5 @@ class FilterModule:
             "nccl_busbw_floor": _nccl.nccl_busbw_floor,
             "nccl_comm_report": _nccl.nccl_comm_report,
             "nccl_report_table": _nccl.nccl_report_table,
+            "nccl_network_problems": _nccl.nccl_network_problems,
         }

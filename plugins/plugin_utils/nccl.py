@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
@@ -622,3 +623,55 @@ def nccl_iperf_results(loop_results: list[dict[str, Any]], hostvars: Any = None)
             }
         )
     return out
+
+
+def _absent_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
+    """Members without budgetgpu_net facts: refused outside safe mode; in safe mode, refused only where
+    the firewall would shut them out (no address of theirs known from facts or the firewall file)."""
+    absent = dict(inputs.get("absent") or {})
+    absent_text = ", ".join(f"{member} ({why})" for member, why in absent.items())
+    group, safe_mode = inputs.get("group"), bool(inputs.get("safe_mode"))
+    if absent and not safe_mode:
+        return [
+            f"{host}: expected budgetgpu_net facts of every member of {group} (from this run, or the fact cache for "
+            f"fact_caching_timeout seconds), found none for {absent_text}: the firewall and the reachability check "
+            "need every member's addresses: run the play on the whole group with every member up (drop --limit), "
+            "or in safe mode (budgetgpu_safe_mode: true, as the nightly run does) to leave them out and keep the "
+            "addresses the firewall admitted for them"
+        ]
+    records = inputs.get("member_records") or {}
+    unknown = [member for member, record in records.items() if (record or {}).get("source") is None]
+    if not (safe_mode and inputs.get("firewall") and unknown):
+        return []
+    recorded = ", ".join(inputs.get("recorded") or {}) or "none"
+    return [
+        f"{host}: no address known for {', '.join(unknown)}: no budgetgpu_net facts in this run ({absent_text}) and "
+        f'no "# member" line for them in {inputs.get("firewall_file")} (it names {recorded}), so the firewall would '
+        f"shut them out: run playbooks/network.yml on the whole group {group} while they are up"
+    ]
+
+
+def nccl_network_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role nccl_network's inputs on one node, each naming the host and the
+    variable (its one input check). inputs: host, os_family, distribution, version, group, members,
+    absent (nccl_absent_members' answer), safe_mode, firewall, member_records (nccl_member_records'),
+    firewall_file, recorded (nccl_recorded_members'), subnet."""
+    host, group, members = inputs.get("host"), inputs.get("group"), list(inputs.get("members") or [])
+    problems = []
+    if inputs.get("os_family") != "Debian":
+        problems.append(
+            f"{host}: nccl_network supports Debian and Ubuntu, found {inputs.get('distribution')} "
+            f"{inputs.get('version')}"
+        )
+    if host not in members:
+        problems.append(
+            f"{host}: not in group {group} ({', '.join(members) or 'empty'}): run nccl_network on the cluster's nodes "
+            "or set nccl_network_group"
+        )
+    problems += _absent_problems(inputs, host)
+    if len(members) >= 2 and not inputs.get("subnet"):
+        problems.append(
+            f"{host}: the cluster has {len(members)} nodes but budgetgpu_cluster_subnet is empty: set it in "
+            "group_vars/all (e.g. 192.168.1.0/24)"
+        )
+    return problems

@@ -590,3 +590,37 @@ class TestMembersWithoutFacts:
         }
         records = nccl.nccl_member_records(["node1", "node2"], hostvars, SUBNET)
         assert nccl.nccl_record_addresses(records) == nccl.nccl_member_addresses([self.NODE1, node2], SUBNET)
+
+
+def test_nccl_network_input_problems_name_host_and_variable() -> None:
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_network_problems
+
+    good = {
+        "host": "node1",
+        "os_family": "Debian",
+        "group": "gpu_nodes",
+        "members": ["node1", "node2"],
+        "absent": {},
+        "safe_mode": False,
+        "firewall": True,
+        "member_records": {"node1": {"source": "facts"}, "node2": {"source": "facts"}},
+        "firewall_file": "/etc/nftables.d/budgetgpu.nft",
+        "recorded": {},
+        "subnet": "10.0.0.0/24",
+    }
+    assert nccl_network_problems(good) == []
+    bad = {**good, "host": "node3", "os_family": "RedHat", "distribution": "Rocky", "version": "9", "subnet": ""}
+    assert nccl_network_problems(bad) == [
+        "node3: nccl_network supports Debian and Ubuntu, found Rocky 9",
+        "node3: not in group gpu_nodes (node1, node2): run nccl_network on the cluster's nodes or set nccl_network_group",
+        "node3: the cluster has 2 nodes but budgetgpu_cluster_subnet is empty: set it in group_vars/all (e.g. "
+        "192.168.1.0/24)",
+    ]
+    # A member down in safe mode whose addresses the firewall file records: the run goes on.
+    down = {**good, "absent": {"node2": "unreachable"}, "safe_mode": True, "recorded": {"node2": {}}}
+    assert (
+        nccl_network_problems({**down, "member_records": {"node1": {"source": "facts"}, "node2": {"source": "record"}}})
+        == []
+    )
+    # Without the firewall, nothing would shut it out.
+    assert nccl_network_problems({**down, "firewall": False, "member_records": {"node2": {"source": None}}}) == []
