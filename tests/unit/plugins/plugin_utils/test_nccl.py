@@ -612,7 +612,8 @@ def test_nccl_network_input_problems_name_host_and_variable() -> None:
     bad = {**good, "host": "node3", "os_family": "RedHat", "distribution": "Rocky", "version": "9", "subnet": ""}
     assert nccl_network_problems(bad) == [
         "node3: nccl_network supports Debian and Ubuntu, found Rocky 9",
-        "node3: not in group gpu_nodes (node1, node2): run nccl_network on the cluster's nodes or set nccl_network_group",
+        "node3: not in group gpu_nodes (node1, node2): run nccl_network on the cluster's nodes or set"
+        " nccl_network_group",
         "node3: the cluster has 2 nodes but budgetgpu_cluster_subnet is empty: set it in group_vars/all (e.g. "
         "192.168.1.0/24)",
     ]
