@@ -31,4 +31,5 @@ class FilterModule:
             "torch_pip_index": torch_pip_index,
             "torch_driver_cuda": driver_cuda,
             "nccl_package": nccl_package,
+            "python_env_problems": torch_build.python_env_problems,
         }

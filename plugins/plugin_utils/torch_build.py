@@ -9,6 +9,7 @@ AnsibleFilterError).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 # Every value python_env_torch_variant accepts; meta/argument_specs.yml lists the same
@@ -211,3 +212,51 @@ def nccl_package(
             f"built for CUDA {major} (+cuda{major}.x)"
         )
     return result
+
+
+_NUMPY = re.compile(r"(?i)numpy([^A-Za-z0-9_.-]|$)")
+
+
+def python_env_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role python_env's inputs on one node, each naming the host and the
+    variable (its one input check). inputs: host, os_family, distribution, version, owner, owner_create,
+    owner_present, requirements, variant_asked, variant_problem (torch_variant_problem's), and where a
+    wheelhouse is used and the variant is known, wheelhouse, torch_requirement, node_python,
+    python_executable, torch_wheel (the file pattern) and torch_wheels (what matched on the control node)."""
+    host, owner = inputs.get("host"), str(inputs.get("owner") or "")
+    problems = []
+    if inputs.get("os_family") != "Debian":
+        problems.append(
+            f"{host}: python_env supports Debian and Ubuntu, found {inputs.get('distribution')} {inputs.get('version')}"
+        )
+    if owner in ("root", ""):
+        problems.append(
+            f"{host}: python_env_owner is '{owner}', expected an unprivileged user: set budgetgpu_user (or "
+            "python_env_owner) to the user that trains"
+        )
+    elif not (inputs.get("owner_create") or inputs.get("owner_present")):
+        problems.append(
+            f"{host}: python_env_owner '{owner}' does not exist and python_env_owner_create is false: create the user "
+            "or set python_env_owner_create: true"
+        )
+    numpy = [str(r) for r in inputs.get("requirements") or [] if _NUMPY.match(str(r))]
+    if numpy:
+        problems.append(
+            f"{host}: python_env_requirements names numpy ({', '.join(numpy)}): the role installs numpy itself, set "
+            "python_env_numpy_version instead"
+        )
+    if inputs.get("variant_problem"):
+        problems.append(f"{host}: python_env_torch_variant {inputs.get('variant_asked')}: {inputs['variant_problem']}")
+    elif inputs.get("torch_wheels") == []:
+        python, wheelhouse, wanted = (
+            inputs.get("node_python"),
+            inputs.get("wheelhouse"),
+            inputs.get("torch_requirement"),
+        )
+        problems.append(
+            f"{host}: python_env_wheelhouse {wheelhouse} has no wheel for {wanted} on Python {python} "
+            f"({inputs.get('python_executable')} on the node): {inputs.get('torch_wheel')}: add that wheel and its "
+            f"dependencies for Python {python} (scripts/fill-wheelhouse fetches them for Python 3.11), or set "
+            'python_env_wheelhouse to "" to install from the package index'
+        )
+    return problems

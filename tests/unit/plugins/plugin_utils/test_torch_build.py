@@ -124,3 +124,56 @@ def test_a_node_without_nvidia_gpus_keeps_the_cpu_build():
         cuda = driver_cuda(fact)
         assert torch_variant("auto", cuda, PUBLISHED) == "cpu"
         assert torch_variant_problem("auto", cuda, fact) == ""
+
+
+PYTHON_ENV = {
+    "host": "node1",
+    "os_family": "Debian",
+    "owner": "budgetgpu",
+    "owner_create": True,
+    "owner_present": False,
+    "requirements": ["transformers==5.24.0"],
+    "variant_asked": "auto",
+    "variant_problem": "",
+}
+
+
+def test_python_env_inputs_that_fit_have_no_problem():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import python_env_problems
+
+    assert python_env_problems(PYTHON_ENV) == []
+    found = {"wheelhouse": "/w", "torch_wheels": ["/w/torch-2.13.0+cpu-cp311-x.whl"]}
+    assert python_env_problems({**PYTHON_ENV, **found}) == []
+
+
+def test_every_python_env_problem_names_host_and_variable():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import python_env_problems
+
+    bad = {**PYTHON_ENV, "owner": "root", "requirements": ["NumPy<2", "numpyro", "numpy"], "variant_problem": "no CUDA"}
+    assert python_env_problems(bad) == [
+        "node1: python_env_owner is 'root', expected an unprivileged user: set budgetgpu_user (or python_env_owner)"
+        " to the user that trains",
+        "node1: python_env_requirements names numpy (NumPy<2, numpy): the role installs numpy itself, set"
+        " python_env_numpy_version instead",
+        "node1: python_env_torch_variant auto: no CUDA",
+    ]
+    missing = {**PYTHON_ENV, "owner": "ana", "owner_create": False}
+    assert python_env_problems(missing) == [
+        "node1: python_env_owner 'ana' does not exist and python_env_owner_create is false: create the user or set"
+        " python_env_owner_create: true"
+    ]
+    wheelless = {
+        **PYTHON_ENV,
+        "wheelhouse": "/w",
+        "torch_requirement": "torch==2.13.0+cpu",
+        "node_python": "3.13",
+        "python_executable": "/usr/bin/python3",
+        "torch_wheel": "torch-2.13.0+cpu-cp313-*.whl",
+        "torch_wheels": [],
+    }
+    assert python_env_problems(wheelless) == [
+        "node1: python_env_wheelhouse /w has no wheel for torch==2.13.0+cpu on Python 3.13 (/usr/bin/python3 on the"
+        " node): torch-2.13.0+cpu-cp313-*.whl: add that wheel and its dependencies for Python 3.13"
+        ' (scripts/fill-wheelhouse fetches them for Python 3.11), or set python_env_wheelhouse to "" to install from'
+        " the package index"
+    ]
