@@ -38,6 +38,7 @@ class FilterModule:
             "nvidia_module_flavor": nvidia_module_flavor,
             "nvidia_module_flavor_decision": module_flavor_decision,
             "nvidia_driver_input_problems": driver.driver_input_problems,
+            "cuda_input_problems": driver.cuda_input_problems,
             "nvidia_secure_boot_enabled": secure_boot_enabled,
             "nvidia_driver_branch": driver_branch,
             "deb_upstream_version": deb_upstream_version,

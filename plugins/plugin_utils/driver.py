@@ -401,3 +401,55 @@ def driver_input_problems(inputs: Mapping[str, Any]) -> list[str]:
     problems += module_options_problems(inputs.get("module_options"), host)
     problems += [inputs["flavor_problem"]] if inputs.get("flavor_problem") else []
     return problems + _secure_boot_problems(inputs, host) + _branch_change_problems(inputs, host)
+
+
+def _cuda_nccl_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
+    """NCCL: a version that is not NVIDIA's package form, else a torch variant refused, else the package's own
+    problem (nccl_package's, given only when the variant is known)."""
+    if not inputs.get("nccl_install"):
+        return []
+    version = str(inputs.get("nccl_version"))
+    if version != "auto" and not re.match(str(inputs.get("nccl_version_pattern")), version):
+        return [
+            f"{host}: cuda_nccl_version is '{version}': expected auto or NVIDIA's package version such as "
+            "2.21.5-1+cuda12.4"
+        ]
+    if inputs.get("variant_problem"):
+        return [f"{host}: cuda_torch_variant auto: {inputs['variant_problem']}"]
+    return [inputs["nccl_problem"]] if inputs.get("nccl_problem") else []
+
+
+def cuda_input_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return every problem of role cuda's inputs on one node, each naming the host and the variable (its one
+    input check). inputs: host, distribution, version, cuda_version, nccl_install, nccl_version,
+    nccl_version_pattern, variant_problem (auto's, torch_variant_problem), nccl_problem (nccl_package's),
+    toolkit_install, toolkit_source and distro_toolkit_version (on Debian and Ubuntu), driver_version and
+    driver_cuda (the loaded driver's, from the probe)."""
+    host, cuda = inputs.get("host"), str(inputs.get("cuda_version"))
+    distribution, version = inputs.get("distribution"), inputs.get("version")
+    problems = []
+    if distribution not in ("Debian", "Ubuntu"):
+        problems.append(
+            f"{host}: runs {distribution} {version}; budgetgpu.cluster.cuda supports Ubuntu 22.04/24.04 and "
+            "Debian 12/13"
+        )
+    if not re.fullmatch(r"[0-9]+\.[0-9]+", cuda):
+        problems.append(f"{host}: cuda_version is '{cuda}': expected MAJOR.MINOR such as 12.4")
+    problems += _cuda_nccl_problems(inputs, host)
+    distro = inputs.get("distro_toolkit_version")
+    if (
+        inputs.get("toolkit_install")
+        and inputs.get("toolkit_source") == "distro"
+        and cuda_major(distro) != cuda_major(cuda)
+    ):
+        problems.append(
+            f"{host}: cuda_version is {cuda} but {distribution} {version}'s nvidia-cuda-toolkit is CUDA {distro}: set "
+            f"cuda_toolkit_source: nvidia_repo, or cuda_version to {distro}"
+        )
+    runs = inputs.get("driver_cuda")
+    if cuda_major(runs) is not None and cuda_major(cuda) is not None and cuda_major(runs) < cuda_major(cuda):
+        problems.append(
+            f"{host}: cuda_version is {cuda} but the loaded driver {inputs.get('driver_version') or ''} runs CUDA "
+            f"{runs} at most: upgrade the driver (nvidia_driver_branch) or pick an older cuda_version and NCCL"
+        )
+    return problems

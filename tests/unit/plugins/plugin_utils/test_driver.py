@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (
+    cuda_input_problems,
     driver_input_problems,
     module_flavor_decision,
     module_options_problems,
@@ -123,3 +124,57 @@ def test_debian_archive_ships_one_branch_and_mok_signing_needs_its_key():
         driver_input_problems({**GOOD, "secure_boot_on": True, "secure_boot": "mok_signed", "mok_missing": False}) == []
     )
     assert driver_input_problems({**GOOD, "installed_branches": [470], "allow_branch_change": True}) == []
+
+
+CUDA = {
+    "host": "node1",
+    "distribution": "Debian",
+    "version": "12.7",
+    "cuda_version": "12.4",
+    "nccl_install": True,
+    "nccl_version": "auto",
+    "nccl_version_pattern": r"^[0-9]+\.[0-9]+\.[0-9]+-[0-9]+\+cuda[0-9]+(\.[0-9]+)?$",
+    "variant_problem": "",
+    "nccl_problem": "",
+    "toolkit_install": False,
+    "driver_cuda": "12.4",
+    "driver_version": "550.54.14",
+}
+
+
+def test_cuda_inputs_that_fit_have_no_problem():
+    assert cuda_input_problems(CUDA) == []
+    assert cuda_input_problems({**CUDA, "nccl_version": "2.21.5-1+cuda12.4", "driver_cuda": None}) == []
+
+
+def test_cuda_nccl_problems_come_one_at_a_time_format_first():
+    bad_version = {**CUDA, "nccl_version": "2.21", "variant_problem": "no CUDA", "nccl_problem": "node1: other"}
+    assert cuda_input_problems(bad_version) == [
+        "node1: cuda_nccl_version is '2.21': expected auto or NVIDIA's package version such as 2.21.5-1+cuda12.4"
+    ]
+    assert cuda_input_problems({**CUDA, "variant_problem": "no CUDA"}) == ["node1: cuda_torch_variant auto: no CUDA"]
+    assert cuda_input_problems({**CUDA, "nccl_problem": "node1: cuda_nccl_versions has no entry"}) == [
+        "node1: cuda_nccl_versions has no entry"
+    ]
+    assert cuda_input_problems({**CUDA, "nccl_install": False, "nccl_version": "bad"}) == []
+
+
+def test_cuda_version_the_toolkit_and_the_driver_are_checked_against_each_other():
+    bad = {
+        **CUDA,
+        "distribution": "Rocky",
+        "version": "9",
+        "cuda_version": "12",
+        "toolkit_install": True,
+        "toolkit_source": "distro",
+        "distro_toolkit_version": "11.8",
+        "driver_cuda": "11.8",
+    }
+    assert cuda_input_problems(bad) == [
+        "node1: runs Rocky 9; budgetgpu.cluster.cuda supports Ubuntu 22.04/24.04 and Debian 12/13",
+        "node1: cuda_version is '12': expected MAJOR.MINOR such as 12.4",
+        "node1: cuda_version is 12 but Rocky 9's nvidia-cuda-toolkit is CUDA 11.8: set cuda_toolkit_source:"
+        " nvidia_repo, or cuda_version to 11.8",
+        "node1: cuda_version is 12 but the loaded driver 550.54.14 runs CUDA 11.8 at most: upgrade the driver"
+        " (nvidia_driver_branch) or pick an older cuda_version and NCCL",
+    ]
