@@ -95,6 +95,7 @@ ROLE_FACTS = frozenset(
         "budgetgpu_torchrun",
         "budgetgpu_device_allow",
         "budgetgpu_jobs",
+        "budgetgpu_inference_services",
         "budgetgpu_preflight_scripts",
         "budgetgpu_preflight_jobs_digest",
         "budgetgpu_gpu_quarantine",

@@ -108,6 +108,7 @@ def test_filters_are_registered():
         "torch_pip_index",
         "torch_driver_cuda",
         "nccl_package",
+        "python_env_problems",
     }
 
 
