@@ -28,11 +28,10 @@ def exposition(metrics: dict[str, tuple[str, str]], samples: list[tuple[str, dic
         mine = [(labels, value) for metric, labels, value in samples if metric == name]
         if not mine:
             continue
-        total = kind == "counter" and name.endswith("_total")
-        if kind == "counter":
-            family = Metric(name[: -len("_total")], words, kind) if total else Metric(name, words, "unknown")
+        if kind == "counter" and name.endswith("_total"):
+            family = Metric(name.removesuffix("_total"), words, kind)
         else:
-            family = Metric(name, words, kind)
+            family = Metric(name, words, "unknown" if kind == "counter" else kind)
         for labels, value in mine:
             family.add_sample(name, labels, value)
         families.append(family)
