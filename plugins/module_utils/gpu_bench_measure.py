@@ -2,8 +2,8 @@
 dtypes the card runs, device memory bandwidth, pinned host-to-device and device-to-host copies,
 with NVML's temperature, SM clock, power and throttle reasons sampled during each GPU's run.
 
-`scripts/gpu-probe --bench` (which playbooks/gpu_bench.yml runs on every node) loads this file by
-path in the job venv's python (torch) and calls measure(), which returns {host, backend,
+`scripts/gpu-probe --bench` (which playbooks/gpu_bench.yml runs on every node) imports it as
+budgetgpu_node.gpu_bench_measure in the job venv's python (torch) and calls measure(), which returns {host, backend,
 seconds_per_gpu, gpus: [result]} (gpu_bench.py describes a result). The measuring
 takes a device backend: `cuda` times torch's kernels with CUDA events; `sim` (gpu_sim nodes, which
 have no CUDA) is gpu_sim's simulated device (sim_device.py beside its drop-in pynvml): torch runs
@@ -15,18 +15,17 @@ Only the standard library at import: torch and pynvml are imported when run.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from . import gpu_bench, nvml_probe, pcie
+
 # Where gpu_sim puts its drop-in pynvml and simulated device (gpu_sim role, vars/main.yml).
 SIM_LIB_DEFAULT = "/usr/local/lib/budgetgpu-sim/python"
 DEFAULT_SECONDS = 60.0
@@ -36,16 +35,6 @@ MEMORY_BYTES = 512 << 20
 COPY_BYTES = 256 << 20
 SAMPLE_INTERVAL_S = 0.2
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-def load_util(name: str) -> ModuleType:
-    """Import a sibling module_utils file by path (each is self-contained)."""
-    spec = importlib.util.spec_from_file_location(f"budgetgpu_{name}", HERE / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"gpu_bench_measure: {HERE / (name + '.py')} is missing")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class CudaBackend:
@@ -106,7 +95,7 @@ def sim_backend(torch: Any, nvml: Any) -> Any:
             "gpu_bench_measure: --backend sim needs gpu_sim's sim_device.py on the path "
             f"({os.environ.get('BUDGETGPU_SIM_LIB', SIM_LIB_DEFAULT)}): this is not a simulated node"
         ) from None
-    return sim_device.SimDevice(torch, nvml, load_util("pcie").lane_bandwidth_gbps)
+    return sim_device.SimDevice(torch, nvml, pcie.lane_bandwidth_gbps)
 
 
 class Sampler(threading.Thread):
@@ -198,7 +187,6 @@ def bench_node(
     backend: Any, nvml: Any, sysfs_root: str, seconds: float, only: list[int] | None = None
 ) -> dict[str, Any]:
     """Return {host, backend, seconds_per_gpu, gpus} for this node's GPUs (or the indices in only)."""
-    nvml_probe, pcie, gpu_bench = load_util("nvml_probe"), load_util("pcie"), load_util("gpu_bench")
     facts = nvml_probe.probe_nvml(nvml)
     if not facts["driver"].get("loaded"):
         raise SystemExit(f"gpu_bench_measure: {facts['driver'].get('reason')}")

@@ -34,6 +34,8 @@ import re
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from .pcie import normalize_bus_id
+
 UNSUPPORTED = "unsupported"
 SEVERITIES = ("info", "warn", "take_out")
 
@@ -129,20 +131,6 @@ LIMITS: dict[str, Any] = {
     "replay_per_pass": 100,  # PCIe replays per pass above which the link is flagged
     "aer_correctable_per_pass": 10,
 }
-
-
-_BUS_ID = re.compile(r"^(?:([0-9a-f]+):)?([0-9a-f]{2}):([0-9a-f]{2})(?:\.([0-7]))?$")
-
-
-def normalize_bus_id(bus_id: str) -> str:
-    """Return a bus id in sysfs form, the rule of pcie.normalize_bus_id (kept equal by a test; this file
-    imports nothing of the collection), plus: the function-less "0000:01:00" of Xid lines is function 0."""
-    text = bus_id.strip().lower()
-    match = _BUS_ID.match(text)
-    if not match:
-        return text
-    domain, bus, device, function = match.groups()
-    return f"{int(domain or '0', 16):04x}:{bus}:{device}.{function or '0'}"
 
 
 def classify_xid(xid: int) -> tuple[str, str]:

@@ -18,17 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-try:
-    from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import (
-        UNSUPPORTED,
-        Reader,
-        probe_nvml,
-        session,
-    )
-    from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import is_bus_id, normalize_bus_id
-except ImportError:  # scripts/gpu-power on a node: pcie.py and nvml_probe.py are beside this file, on sys.path
-    from nvml_probe import UNSUPPORTED, Reader, probe_nvml, session  # type: ignore[no-redef]
-    from pcie import is_bus_id, normalize_bus_id  # type: ignore[no-redef]
+from .nvml_probe import UNSUPPORTED, Reader, probe_nvml, session
+from .pcie import is_bus_id, normalize_bus_id
 
 VARIABLE = "gpu_power_limit_watts"
 BUDGET_VARIABLE = "gpu_power_budget_watts"

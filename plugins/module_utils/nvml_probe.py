@@ -106,6 +106,16 @@ def kernel_module_installed(modules_root: str = "/lib/modules", release: str | N
         return False
 
 
+def driver_facts(state: str, reason: str | None, **found: Any) -> dict[str, Any]:
+    """Return the driver facts in their one shape: every key present, None where not known."""
+    facts: dict[str, Any] = dict.fromkeys(
+        ("version", "nvml_version", "cuda_driver_version", "kernel_module_version", "kernel_module_installed")
+    )
+    facts.update(state=state, loaded=state == "loaded", reason=reason, errors={})
+    facts.update(found)
+    return facts
+
+
 def driver_state_from_error(
     code: int | None, message: str, proc_root: str = "/proc", modules_root: str = "/lib/modules"
 ) -> dict[str, Any]:
@@ -148,17 +158,7 @@ def driver_state_from_error(
         )
     else:
         state, reason = "error", f"nvmlInit failed: {message}"
-    return {
-        "state": state,
-        "loaded": False,
-        "reason": reason,
-        "version": None,
-        "nvml_version": None,
-        "cuda_driver_version": None,
-        "kernel_module_version": module_version,
-        "kernel_module_installed": installed,
-        "errors": {},
-    }
+    return driver_facts(state, reason, kernel_module_version=module_version, kernel_module_installed=installed)
 
 
 class Reader:
@@ -375,18 +375,17 @@ def _system_driver(reader: Reader, proc_root: str) -> dict[str, Any]:
     cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2")
     if not _known(cuda):
         cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion")
-    return {
-        "state": "loaded",
-        "loaded": True,
-        "reason": None,
-        "version": _convert(reader.get("version", "nvmlSystemGetDriverVersion"), _text),
-        "nvml_version": _convert(reader.get("nvml_version", "nvmlSystemGetNVMLVersion"), _text),
+    return driver_facts(
+        "loaded",
+        None,
+        version=_convert(reader.get("version", "nvmlSystemGetDriverVersion"), _text),
+        nvml_version=_convert(reader.get("nvml_version", "nvmlSystemGetNVMLVersion"), _text),
         # UNSUPPORTED where the binding predates the call (7.352): torch_build refuses "auto" then.
-        "cuda_driver_version": _convert(cuda, cuda_version_text),
-        "kernel_module_version": kernel_module_version(proc_root),
-        "kernel_module_installed": True,
-        "errors": reader.errors,
-    }
+        cuda_driver_version=_convert(cuda, cuda_version_text),
+        kernel_module_version=kernel_module_version(proc_root),
+        kernel_module_installed=True,
+        errors=reader.errors,
+    )
 
 
 def probe_nvml(nvml: Any, proc_root: str = "/proc", modules_root: str = "/lib/modules") -> dict[str, Any]:

@@ -380,8 +380,9 @@ def check_expectations(
 
 
 def normalize_bus_id(bus_id: str) -> str:
-    """Return a bus id in sysfs form ("0000:01:00.0") from NVML's "00000000:01:00.0" or a short "01:00.0"
-    (the one rule for bus ids: the pcie_facts module and preflight both use it)."""
+    """Return a bus id in sysfs form ("0000:01:00.0") from NVML's "00000000:01:00.0", a short "01:00.0" or
+    an Xid line's "0000:01:00" without a function, which is function 0 (the one rule for bus ids: the
+    pcie_facts module, preflight, the power caps and the health watch use it)."""
     text = bus_id.strip().lower()
     parts = text.split(":")
     if len(parts) == 2:
@@ -394,7 +395,8 @@ def normalize_bus_id(bus_id: str) -> str:
         domain = format(int(parts[0], 16), "04x")
     except ValueError:
         return text
-    return f"{domain}:{parts[1]}:{parts[2]}"
+    device = parts[2] if "." in parts[2] else f"{parts[2]}.0"
+    return f"{domain}:{parts[1]}:{device}"
 
 
 def is_bus_id(text: str) -> bool:

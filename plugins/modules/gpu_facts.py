@@ -354,7 +354,7 @@ ansible_facts:
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
-from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import probe_nvml
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import driver_facts, probe_nvml
 
 try:
     import pynvml
@@ -382,19 +382,7 @@ def build_module() -> AnsibleModule:
 
 
 def missing_pynvml_facts(reason: str) -> dict:
-    driver = {
-        "state": "no_pynvml",
-        "loaded": False,
-        "reason": reason,
-        "version": None,
-        "nvml_version": None,
-        "cuda_driver_version": None,
-        "kernel_module_version": None,
-        "kernel_module_installed": None,
-        "errors": {},
-        "binding": None,
-    }
-    return {"driver": driver, "count": 0, "gpus": []}
+    return {"driver": driver_facts("no_pynvml", reason, binding=None), "count": 0, "gpus": []}
 
 
 def main() -> None:

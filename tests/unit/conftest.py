@@ -7,12 +7,27 @@ file as part of the collection's package, so only package imports work under bot
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
+from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def node_python(tmp_path_factory) -> str:
+    """A node venv as role node_venv makes it, for scripts run with -I as root's units run them: the node
+    package through a .pth; this venv's libraries stand in for the pinned wheels."""
+    venv = tmp_path_factory.mktemp("node-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(sysconfig.get_path("purelib", "venv", vars={"base": str(venv), "platbase": str(venv)}))
+    (site / "budgetgpu-node.pth").write_text(f"{NODE_PACKAGES}\n{sysconfig.get_path('purelib')}\n")
+    return str(venv / "bin" / "python3")
 
 
 @pytest.fixture

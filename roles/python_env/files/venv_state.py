@@ -22,6 +22,7 @@ import os
 import re
 import stat
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -91,6 +92,13 @@ def satisfied(spec: str, paths: list[str]) -> str | None:
     return spec if not pin or found.version == version else None
 
 
+def site_packages(venv: str) -> str:
+    """The venv's site-packages, as this interpreter (the one that makes the venv) lays it out,
+    known before the venv exists: a role puts its .pth there in the run that creates the venv."""
+    scheme = "venv" if "venv" in sysconfig.get_scheme_names() else "posix_prefix"  # "venv": Python 3.11+
+    return sysconfig.get_path("purelib", scheme, vars={"base": venv, "platbase": venv})
+
+
 def venv_state(venv: str, specs: list[str]) -> dict:
     exists = os.path.isfile(os.path.join(venv, "pyvenv.cfg"))
     above = unsafe_above(venv)
@@ -102,6 +110,7 @@ def venv_state(venv: str, specs: list[str]) -> dict:
         "unsafe_above": above,
         "unsafe_inside": inside,
         "satisfied": [satisfied(spec, paths) for spec in specs],
+        "site_packages": site_packages(venv),
     }
 
 

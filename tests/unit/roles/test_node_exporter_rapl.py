@@ -22,12 +22,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the reader accepts on
 
 @pytest.fixture
 def installed(tmp_path):
-    """The reader, energy.py and textfile.py side by side, as the role installs them."""
+    """The reader in a root-owned folder of its own, as the role installs it."""
     home = tmp_path / "opt"
     home.mkdir()
     shutil.copy(READER, home / "budgetgpu-rapl")
-    for name in ("energy.py", "textfile.py"):
-        shutil.copy(REPO / "plugins" / "module_utils" / name, home / name)
     state = tmp_path / "state"
     state.mkdir(mode=0o755)
     return home / "budgetgpu-rapl", state
@@ -44,9 +42,15 @@ def set_counter(root: Path, package_uj: int) -> None:
         counter.chmod(0o400)  # as the kernel has it since the Platypus fix
 
 
-def run(reader: Path, state: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-I", str(reader), "--powercap-root", str(root), "--state-dir", str(state), *extra]
-    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+@pytest.fixture
+def run(node_python):
+    """Run the reader as its unit does: the node venv's python, isolated."""
+
+    def reader_run(reader: Path, state: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+        argv = [node_python, "-I", str(reader), "--powercap-root", str(root), "--state-dir", str(state), *extra]
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+
+    return reader_run
 
 
 def values(path: Path) -> dict[str, float]:
@@ -60,7 +64,7 @@ def values(path: Path) -> dict[str, float]:
     }
 
 
-def test_passes_count_across_the_wrap_and_write_the_textfile(installed, tmp_path):
+def test_passes_count_across_the_wrap_and_write_the_textfile(installed, tmp_path, run):
     reader, state = installed
     root = tmp_path / "powercap"
     set_counter(root, TOP - 4_000_000)
@@ -79,7 +83,7 @@ def test_passes_count_across_the_wrap_and_write_the_textfile(installed, tmp_path
     assert sorted(p.name for p in state.iterdir()) == ["energy.json", "rapl.prom"], "no temporary file left"
 
 
-def test_a_node_without_rapl_exports_the_estimate_only(installed, tmp_path):
+def test_a_node_without_rapl_exports_the_estimate_only(installed, tmp_path, run):
     reader, state = installed
     done = run(reader, state, tmp_path / "no-powercap")
     assert done.returncode == 0
@@ -88,7 +92,7 @@ def test_a_node_without_rapl_exports_the_estimate_only(installed, tmp_path):
     assert found["budgetgpu_node_cpu_energy_zones"] == 0 and found["budgetgpu_node_base_watts"] == 200
 
 
-def test_a_state_directory_others_may_write_or_a_link_is_refused(installed, tmp_path):
+def test_a_state_directory_others_may_write_or_a_link_is_refused(installed, tmp_path, run):
     reader, state = installed
     root = tmp_path / "powercap"
     set_counter(root, 1)
@@ -102,7 +106,7 @@ def test_a_state_directory_others_may_write_or_a_link_is_refused(installed, tmp_
     assert run(reader, link, root).returncode == 1
 
 
-def test_a_planted_link_in_place_of_the_state_is_not_followed(installed, tmp_path):
+def test_a_planted_link_in_place_of_the_state_is_not_followed(installed, tmp_path, run):
     reader, state = installed
     root = tmp_path / "powercap"
     set_counter(root, 1)

@@ -61,6 +61,7 @@ def test_no_venv_yet(tmp_path):
         "unsafe_above": state.unsafe_above(str(tmp_path / "venv")),
         "unsafe_inside": None,
         "satisfied": [None, None],
+        "site_packages": f"{tmp_path}/venv/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages",
     }
 
 

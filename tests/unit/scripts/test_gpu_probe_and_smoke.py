@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import pcie
+from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 REPO = Path(__file__).resolve().parents[3]
 H200_CSV = REPO / "tests" / "fixtures" / "h200-node" / "nvidia-smi-query.csv"
@@ -59,7 +60,7 @@ def test_probe_without_pynvml_still_prints_sysfs_with_a_note(probe_script, sim_t
 def test_probe_runs_with_plain_python_and_the_gpu_sim_pynvml(tmp_path, sim_tree):
     # What a person on a simulated node gets: no Ansible, the drop-in pynvml on the path.
     shutil.copy(REPO / "roles" / "gpu_sim" / "files" / "pynvml.py", tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{NODE_PACKAGES}")
     env["BUDGETGPU_SIM_PROFILE"] = str(REPO / "roles" / "gpu_sim" / "files" / "profiles" / "h200.json")
     env["BUDGETGPU_SIM_STATE"] = str(tmp_path / "sim-state.json")
     command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-probe"), "--json"]

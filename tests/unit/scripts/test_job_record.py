@@ -189,12 +189,12 @@ def test_the_reader_refuses_links_fifos_devices_and_big_files(tmp_path):
     assert "more than 1048576 bytes" in read(big)["error"]
 
 
-def test_the_reader_runs_as_a_program_with_an_isolated_python(tmp_path):
+def test_the_reader_runs_as_a_program_with_an_isolated_python(tmp_path, node_python):
     status = tmp_path / "status.json"
     status.write_text("{}")
     script = REPO / "roles" / "torchrun" / "files" / "budgetgpu-job-record"
     out = subprocess.run(
-        ["/usr/bin/python3", "-I", str(script), "read", str(status)], capture_output=True, text=True, check=False
+        [node_python, "-I", str(script), "read", str(status)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stderr
     assert base64.b64decode(json.loads(out.stdout)["content"]) == b"{}"

@@ -132,13 +132,9 @@ def test_catalogue_uses_only_the_three_classes():
     assert {klass for klass, _title in gpu_health.XID_CATALOGUE.values()} == {"info", "restart", "take_out"}
 
 
-@pytest.mark.parametrize("bus_id", ["00000000:3B:00.0", "3b:00.0", "0000:01:00.0", "10000:e1:00.0", "junk", "x:1:2"])
-def test_normalize_bus_id_follows_pcie(bus_id):
-    assert gpu_health.normalize_bus_id(bus_id) == pcie.normalize_bus_id(bus_id)
-
-
-def test_normalize_bus_id_gives_function_0_to_xid_bus_ids():
-    assert gpu_health.normalize_bus_id("0000:3B:00") == "0000:3b:00.0"
+def test_xid_bus_ids_get_function_0():
+    line = "NVRM: Xid (PCI:0000:3B:00): 79, pid=1, GPU has fallen off the bus."
+    assert gpu_health.parse_xid_line(line)["bus_id"] == "0000:3b:00.0"
 
 
 # -- kernel log ------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ansible_collections.budgetgpu.cluster.plugins.filter import power
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import nvml_probe
 from ansible_collections.budgetgpu.cluster.plugins.modules import gpu_power_limits
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference, jobs
+from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 REPO = Path(__file__).resolve().parents[4]
 GPU_SIM = REPO / "roles" / "gpu_sim" / "files"
@@ -53,25 +54,20 @@ def test_module_without_pynvml_says_so(monkeypatch, capsys):
     assert code == 1 and "nvidia-ml-py" in result["msg"]
 
 
-def test_gpu_power_script_runs_with_plain_python_beside_the_module_utils(tmp_path):
-    """As the boot unit runs it: the script and three module_utils files copied, no Ansible."""
-    node = tmp_path / "opt"
-    (node / "scripts").mkdir(parents=True)
-    (node / "plugins" / "module_utils").mkdir(parents=True)
-    (node / "scripts" / "gpu-power").write_text((REPO / "scripts" / "gpu-power").read_text())
-    for name in ("gpu_power.py", "nvml_probe.py", "pcie.py"):
-        (node / "plugins" / "module_utils" / name).write_text((REPO / "plugins" / "module_utils" / name).read_text())
+def test_gpu_power_script_runs_with_the_node_package_and_no_ansible(tmp_path):
+    """As the boot unit runs it: the script with the node package (budgetgpu_node), no Ansible."""
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "pynvml.py").write_text((GPU_SIM / "pynvml.py").read_text())
     config = tmp_path / "gpu-power.json"
     config.write_text(json.dumps({"node": "node1", "caps": {"04:00.0": 250}, "budget_watts": None}))
     env = {
         "PATH": os.environ["PATH"],
-        "PYTHONPATH": str(tmp_path / "sim"),  # the simulated pynvml only: no ansible_collections
+        # The simulated pynvml and the node package only: no ansible_collections.
+        "PYTHONPATH": f"{tmp_path / 'sim'}:{NODE_PACKAGES}",
         "BUDGETGPU_SIM_PROFILE": str(GPU_SIM / "profiles" / "rtx3090x4-risers.json"),
         "BUDGETGPU_SIM_STATE": str(tmp_path / "state.json"),
     }
-    command = [sys.executable, "-s", str(node / "scripts" / "gpu-power"), "--config", str(config)]
+    command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-power"), "--config", str(config)]
 
     def gpu_power(*extra):
         return subprocess.run([*command, *extra], env=env, capture_output=True, text=True, check=False, timeout=60)
