@@ -48,6 +48,12 @@ options:
         description: Octal mode as a string.
         type: str
         default: "0644"
+      interpreter:
+        description:
+          - A script's interpreter and its options (C(/opt/budgetgpu/node/bin/python3 -I)); its first line, a
+            C(#!) line, becomes C(#!<interpreter>), as pip writes the first line of a venv's scripts.
+          - A file without a C(#!) line is refused.
+        type: str
   owner:
     description: Owner of the files and of the directories created.
     type: str
@@ -108,8 +114,14 @@ DIFF_LIMIT = 64 * 1024
 
 def wanted_bytes(spec: dict) -> bytes:
     if spec.get("content_b64") is not None:
-        return base64.b64decode(spec["content_b64"])
-    return spec["content"].encode("utf-8")
+        data = base64.b64decode(spec["content_b64"])
+    else:
+        data = spec["content"].encode("utf-8")
+    if spec.get("interpreter") is None:
+        return data
+    if not data.startswith(b"#!"):
+        raise ValueError(f"{spec['dest']}: interpreter {spec['interpreter']} given, but the file has no #! line")
+    return b"#!" + spec["interpreter"].encode("utf-8") + b"\n" + data.partition(b"\n")[2]
 
 
 def current_bytes(path: str) -> bytes | None:
@@ -193,6 +205,7 @@ def main() -> None:
                     "content": {"type": "str"},
                     "content_b64": {"type": "str"},
                     "mode": {"type": "str", "default": "0644"},
+                    "interpreter": {"type": "str"},
                 },
             },
             "owner": {"type": "str", "default": "root"},
@@ -207,6 +220,11 @@ def main() -> None:
             problems.append(f"dest {spec['dest']!r} is not an absolute path")
         if (spec.get("content") is None) == (spec.get("content_b64") is None):
             problems.append(f"{spec['dest']}: give exactly one of src and content")
+        elif spec.get("interpreter") is not None:
+            try:
+                wanted_bytes(spec)
+            except ValueError as err:
+                problems.append(str(err))
     if problems:
         module.fail_json(msg="install_files: " + "; ".join(problems))
 

@@ -137,6 +137,8 @@ JOB_UNIT_PLAYBOOK = """\
       ansible.builtin.include_vars:
         file: "{{ item }}"
       loop:
+        - "{{ test_repo }}/roles/node_venv/defaults/main.yml"
+        - "{{ test_repo }}/roles/node_venv/vars/main.yml"
         - "{{ test_repo }}/roles/torchrun/defaults/main.yml"
         - "{{ test_repo }}/roles/torchrun/vars/main.yml"
     - name: Render the unit

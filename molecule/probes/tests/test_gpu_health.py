@@ -56,7 +56,8 @@ def plan(host, nproc: int, fixed: bool, user: str = "nobody") -> dict:
         f"argv = l.gpu_health_argv(['--nproc-per-node={nproc}', 'train.py'], env);"
         "print(json.dumps({'argv': argv, 'visible': env.get('CUDA_VISIBLE_DEVICES')}))"
     )
-    done = host.run(f"runuser -u {user} -- python3 -c {json.dumps(code)}")
+    # The job venv has the node package on its path (python_env's .pth); the node venv stands in here.
+    done = host.run(f"runuser -u {user} -- /opt/budgetgpu/node/bin/python3 -c {json.dumps(code)}")
     assert done.rc == 0, done.stderr
     return {**json.loads(done.stdout.splitlines()[-1]), "log": done.stdout}
 

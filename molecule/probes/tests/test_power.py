@@ -42,9 +42,7 @@ def test_caps_are_set_and_the_boot_unit_is_enabled(host):
     assert limits(host) == CAPS[name]
     unit = host.service(UNIT)
     assert unit.is_enabled and unit.is_running  # oneshot, RemainAfterExit
-    table = host.check_output(
-        "python3 /var/lib/budgetgpu-probes/scripts/gpu-probe --sysfs-root /var/lib/budgetgpu-sim/sys"
-    )
+    table = host.check_output("gpu-probe --sysfs-root /var/lib/budgetgpu-sim/sys")
     expected = "/250 W (100-400)" if name == "probes-3090" else "/500 W (200-700)"
     assert expected in table and "energy since the driver loaded: GPU 0 " in table
 

@@ -70,12 +70,38 @@ def test_cluster_interface_is_eth0(host):
     assert any(iface["kind"] == "loopback" for iface in net["interfaces"])
 
 
-def test_gpu_probe_runs_with_plain_python3_and_agrees_with_the_modules(host):
+def test_gpu_probe_runs_from_the_node_venv_and_agrees_with_the_modules(host):
     data = facts(host)
-    out = host.check_output(f"python3 {DIR}/scripts/gpu-probe --json --sysfs-root {SYSFS}")
+    assert host.file("/usr/local/bin/gpu-probe").linked_to == "/opt/budgetgpu/node/bin/gpu-probe"
+    first_line = host.file("/opt/budgetgpu/node/bin/gpu-probe").content_string.partition("\n")[0]
+    assert first_line == "#!/opt/budgetgpu/node/bin/python3 -I"
+    out = host.check_output(f"gpu-probe --json --sysfs-root {SYSFS}")
     probe = json.loads(out)
     assert probe["pcie"]["gpus"] == data["pcie"]["gpus"]
     assert probe["gpus"]["driver"]["state"] == data["gpus"]["driver"]["state"]
     assert probe["gpus"]["count"] == data["gpus"]["count"]
-    table = host.check_output(f"python3 {DIR}/scripts/gpu-probe --sysfs-root {SYSFS}")
+    table = host.check_output(f"gpu-probe --sysfs-root {SYSFS}")
     assert f"{data['pcie']['count']} NVIDIA GPU(s) on the PCI bus" in table.splitlines()[0]
+
+
+NODE_PYTHON = "/opt/budgetgpu/node/bin/python3"
+
+
+def test_the_node_venv_is_roots_with_the_pins_and_the_package(host):
+    for path in ("/opt/budgetgpu/node", "/opt/budgetgpu/node/packages/budgetgpu_node"):
+        folder = host.file(path)
+        assert (folder.user, folder.group, folder.mode) == ("root", "root", 0o755)
+    code = (
+        "import json, pynvml; from importlib import metadata; import budgetgpu_node.gpu_health as g;"
+        "print(json.dumps({d: metadata.version(d) for d in ('nvidia-ml-py', 'prometheus-client')}"
+        " | {'pynvml': pynvml.__file__, 'package': g.__file__}))"
+    )
+    found = json.loads(host.check_output(f"{NODE_PYTHON} -I -c {json.dumps(code)}"))
+    assert (found["nvidia-ml-py"], found["prometheus-client"]) == ("13.615.71", "0.26.0")
+    assert found["package"] == "/opt/budgetgpu/node/packages/budgetgpu_node/gpu_health.py"
+    # gpu_sim's drop-in answers beneath the binding's callers where it is installed; elsewhere the pin.
+    simulated = host.file("/usr/local/lib/budgetgpu-sim/python/pynvml.py").exists
+    expected = "/usr/local/lib/budgetgpu-sim/python/pynvml.py" if simulated else "site-packages/pynvml.py"
+    assert found["pynvml"].endswith(expected)
+    # One copy of the node code: none of the folders an earlier release copied module_utils into.
+    assert not host.file("/opt/budgetgpu/gpu-probe").exists and not host.file("/opt/budgetgpu/gpu-health").exists

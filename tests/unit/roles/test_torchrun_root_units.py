@@ -37,6 +37,8 @@ PLAYBOOK = """\
       ansible.builtin.include_vars:
         file: "{{ item }}"
       loop:
+        - "{{ test_repo }}/roles/node_venv/defaults/main.yml"
+        - "{{ test_repo }}/roles/node_venv/vars/main.yml"
         - "{{ test_repo }}/roles/torchrun/defaults/main.yml"
         - "{{ test_repo }}/roles/torchrun/vars/main.yml"
     - name: Render the job's unit and env file, and root's units
@@ -106,7 +108,7 @@ def test_roots_units_are_named_by_the_job_unit_and_read_no_environment_of_the_jo
         assert not directives(root, "User") and not directives(root, "EnvironmentFile"), name
         assert not directives(root, "Environment") and not directives(root, "PassEnvironment"), name
         assert directives(root, "ExecStart") == [
-            f"/usr/bin/python3 -I /opt/budgetgpu/bin/budgetgpu-job-record {action} /var/lib/budgetgpu/job-records/%i"
+            f"/opt/budgetgpu/node/bin/python3 -I /opt/budgetgpu/node/bin/budgetgpu-job-record {action} /var/lib/budgetgpu/job-records/%i"
         ]
         assert directives(root, "ReadWritePaths") == ["-/var/lib/budgetgpu/job-records/%i"]
         assert directives(root, "ProtectSystem") == ["strict"]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_health, pcie
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_health
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 H200 = json.loads((FIXTURES / "h200-node" / "nvml.json").read_text())["gpus"][0]

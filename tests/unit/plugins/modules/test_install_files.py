@@ -84,6 +84,15 @@ def test_check_mode_reports_and_writes_nothing(tmp_path, spec):
     assert not root.exists()
 
 
+def test_a_script_gets_the_interpreter_on_its_first_line(tmp_path, spec):
+    root, files = spec
+    files[0]["interpreter"] = "/opt/budgetgpu/node/bin/python3 -I"
+    assert play(tmp_path, files=files)[0] == 0
+    assert (root / "bin" / "tool").read_text() == "#!/opt/budgetgpu/node/bin/python3 -I\necho tool\n"
+    rc, result = play(tmp_path, files=files)
+    assert (rc, result["changed"]) == (0, False)
+
+
 @pytest.mark.parametrize(
     ("files", "message"),
     [
@@ -91,6 +100,10 @@ def test_check_mode_reports_and_writes_nothing(tmp_path, spec):
         ([{"dest": "/tmp/budgetgpu-never", "src": "x", "content": "x"}], "give src or content, not both"),
         ([{"dest": "/tmp/budgetgpu-never"}], "/tmp/budgetgpu-never: give exactly one of src and content"),
         ([{"dest": "/tmp/budgetgpu-never", "src": "no-such-file"}], "cannot read src no-such-file"),
+        (
+            [{"dest": "/tmp/budgetgpu-never", "content": "KEY=value\n", "interpreter": "/usr/bin/python3 -I"}],
+            "/tmp/budgetgpu-never: interpreter /usr/bin/python3 -I given, but the file has no #! line",
+        ),
     ],
 )
 def test_bad_input_fails_with_the_file_named_and_writes_nothing(tmp_path, files, message):
