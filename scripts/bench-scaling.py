@@ -59,12 +59,13 @@ def start(cpus: float, torch_path: Path) -> None:
         sh("docker", "run", "-d", "--name", name, "--hostname", name, "--network", NETWORK,
            "--ip", f"10.231.227.{10 + index}", f"--cpus={cpus}", "--cap-add", "NET_ADMIN",
            "-v", f"{torch_path}:/opt/torch:ro", "-v", f"{ROOT / 'roles/torchrun/files'}:/opt/code:ro",
+           "-v", f"{ROOT / 'plugins/module_utils'}:/opt/node/budgetgpu_node:ro",
            "-v", f"{ROOT / 'scripts'}:/opt/bench:ro", "--entrypoint", "sleep", IMAGE, "infinity")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.time() + args.minutes * 60
-    env = ["-e", "PYTHONPATH=/opt/torch", "-e", "OMP_NUM_THREADS=1", "-e", "GLOO_SOCKET_IFNAME=eth0",
+    env = ["-e", "PYTHONPATH=/opt/torch:/opt/node", "-e", "OMP_NUM_THREADS=1", "-e", "GLOO_SOCKET_IFNAME=eth0",
            "-e", "MASTER_ADDR=10.231.227.11", "-e", f"MASTER_PORT={PORT}", "-e", "WORLD_SIZE=4"]  # fmt: skip
     worker = ["python3", "/opt/bench/bench_scaling_worker.py", "--code", "/opt/code", "--deadline", str(deadline),
               "--rounds", str(args.rounds), "--global-batch", str(args.global_batch), "--steps", str(args.steps),

@@ -4,7 +4,8 @@ All nodes join one gloo group; the benchmark then runs, round after round, every
 2 nodes (a subgroup of ranks 0-1) and 1 node, at the same global batch, under two link shapings
 (tbf on each container's eth0, set by the workers themselves at the start of each block). Rank 0
 prints one JSON line per measured row; scripts/bench-scaling collects them. Imports the trainer
-(train_ddp: model, data) and budgetgpu_straggler (wrap_ddp, the step timer) from --code.
+(train_ddp: model, data) from --code and budgetgpu_node.straggler (wrap_ddp, the step timer) from the
+node package (bench-scaling.py mounts plugins/module_utils as /opt/node/budgetgpu_node, on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ OPTIONS_2 = ["legacy", "ddp", "fp16", "powersgd"]
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--code", required=True, help="directory of train_ddp.py and budgetgpu_straggler.py")
+    parser.add_argument("--code", required=True, help="directory of train_ddp.py")
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=3)
@@ -66,8 +67,8 @@ class Bench:
         import torch.distributed as dist
 
         sys.path.insert(0, args.code)
-        import budgetgpu_straggler as helper
         import train_ddp
+        from budgetgpu_node import straggler as helper
 
         self.torch, self.dist, self.helper, self.train = torch, dist, helper, train_ddp
         self.args = args

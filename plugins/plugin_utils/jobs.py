@@ -45,7 +45,7 @@ USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]*[$]?$")
 RENDEZVOUS = ("c10d", "static")
 BACKENDS = ("auto", "nccl", "gloo")
 STATES = ("started", "stopped", "absent")
-# DDP communication hooks a job may ask for (budgetgpu_straggler.COMPRESSIONS; a unit test holds them
+# DDP communication hooks a job may ask for (straggler.COMPRESSIONS; a unit test holds them
 # equal). bf16 needs NCCL: torch's bf16 hook refuses gloo.
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 NCCL_ONLY_COMPRESSIONS = ("bf16",)
@@ -73,9 +73,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "checkpoint_every_minutes": 15,
     "checkpoint_every_steps": 0,
     # Every N steps the ranks' compute times are compared and rank 0 logs the slowest against the
-    # median (budgetgpu_straggler; BUDGETGPU_STRAGGLER_EVERY_STEPS); 0 turns it off.
+    # median (module_utils/straggler.py; BUDGETGPU_STRAGGLER_EVERY_STEPS); 0 turns it off.
     "straggler_every_steps": 200,
-    # The levers for slow links (budgetgpu_straggler.CommSettings reads them from the unit's
+    # The levers for slow links (straggler.CommSettings reads them from the unit's
     # environment): DDP's communication hook, its bucket size, gradient accumulation.
     "gradient_compression": "none",
     "powersgd_rank": 1,
@@ -300,7 +300,7 @@ def torchrun_argv(
 
 def training_environment(job: Mapping[str, Any]) -> dict[str, str]:
     """Return the settings of a job's training that its script reads from the environment
-    (train_ddp.py's defaults, budgetgpu_straggler.CommSettings.from_env): checkpoint cadence, the
+    (train_ddp.py's defaults, straggler.CommSettings.from_env): checkpoint cadence, the
     straggler report and DDP's communication settings. The systemd units and role slurm's batch
     scripts both set them from here."""
     return {f"BUDGETGPU_{key.upper()}": str(job[key]) for key in TRAINING_SETTINGS}

@@ -105,12 +105,12 @@ def fake_pynvml(monkeypatch, tmp_path_factory):
 
 @pytest.fixture
 def no_numpy_path(tmp_path) -> str:
-    """A PYTHONPATH entry that hides numpy: training venvs need not have it, and torch's object
-    collectives (all_gather_object, broadcast_object_list) fail without it."""
+    """A PYTHONPATH that hides numpy (training venvs need not have it, and torch's object collectives,
+    all_gather_object and broadcast_object_list, fail without it) and holds the node package."""
     package = tmp_path / "no_numpy" / "numpy"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("raise ModuleNotFoundError('numpy hidden by the test', name='numpy')\n")
-    return str(package.parent)
+    return f"{package.parent}:{NODE_PACKAGES}"
 
 
 # ansible-core patches sys.intern when a module under test builds an AnsibleModule; torch's

@@ -23,7 +23,8 @@ def train():
     spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_ddp"] = module  # dataclasses look their module up there
-    # The unit's PYTHONPATH puts the script's directory first: it imports budgetgpu_straggler from there.
+    # As `python train_ddp.py` runs it: its own folder first on the path; budgetgpu_node from the
+    # node package's folder (tests/unit/node_package.py), as the job venv's .pth gives it.
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         spec.loader.exec_module(module)

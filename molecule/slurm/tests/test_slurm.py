@@ -206,13 +206,13 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
         pytest.skip("no torch venv on Debian 13 nodes (the wheelhouse holds torch for Python 3.11 only)")
     for name in NODES:
         subprocess.run(["docker", "exec", name, "install", "-d", "-m", "0755", "/tmp/job"], check=True)
-        for file in ("train_ddp.py", "budgetgpu_straggler.py"):
-            # docker cp cannot write into the node's /tmp (a tmpfs): through cat instead.
-            subprocess.run(
-                ["docker", "exec", "-i", name, "sh", "-c", f"umask 022 && cat > /tmp/job/{file}"],
-                input=(EXAMPLE / file).read_bytes(),
-                check=True,
-            )
+        # The trainer only: its helper is the node package's (budgetgpu_node.straggler), on the job venv's
+        # path by python_env's .pth. docker cp cannot write into the node's /tmp (a tmpfs): through cat.
+        subprocess.run(
+            ["docker", "exec", "-i", name, "sh", "-c", "umask 022 && cat > /tmp/job/train_ddp.py"],
+            input=(EXAMPLE / "train_ddp.py").read_bytes(),
+            check=True,
+        )
     ctl, node = host(CONTROLLER), host("slurm-node1")
     # slurm_jobs' entry (molecule.yml): 2 nodes, one rtx3090 each, checkpoints every 20 steps from its environment.
     job = ctl.check_output(

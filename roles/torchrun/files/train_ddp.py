@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 # Installed beside this script (the script's directory is the first entry of sys.path).
-from budgetgpu_straggler import CommSettings, Finding, StepTimer, every_steps_from_env, wrap_ddp, write_status
+from budgetgpu_node.straggler import CommSettings, Finding, StepTimer, every_steps_from_env, wrap_ddp, write_status
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 

@@ -1,5 +1,5 @@
 """One rank of tests/unit/roles/test_torchrun_ddp_options.py (torchrun, 2 gloo ranks): for each
-communication option, wrap a fresh copy of the trainer's model with budgetgpu_straggler.wrap_ddp
+communication option, wrap a fresh copy of the trainer's model with budgetgpu_node.straggler.wrap_ddp
 and train it with the trainer's train_step; then a run where rank 1 computes slower. Rank 0 writes
 what it measured (each option's losses and window breakdown, the slow run's finding) as JSON."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, sys.argv[1])  # roles/torchrun/files
-import budgetgpu_straggler as helper  # noqa: E402
+sys.path.insert(0, sys.argv[1])  # roles/torchrun/files: the trainer
 import train_ddp  # noqa: E402
+from budgetgpu_node import straggler as helper  # noqa: E402  (tests/unit/node_package.py: on PYTHONPATH)
 
 OPTIONS = {
     "none": helper.CommSettings(),

@@ -108,7 +108,8 @@ def test_roots_units_are_named_by_the_job_unit_and_read_no_environment_of_the_jo
         assert not directives(root, "User") and not directives(root, "EnvironmentFile"), name
         assert not directives(root, "Environment") and not directives(root, "PassEnvironment"), name
         assert directives(root, "ExecStart") == [
-            f"/opt/budgetgpu/node/bin/python3 -I /opt/budgetgpu/node/bin/budgetgpu-job-record {action} /var/lib/budgetgpu/job-records/%i"
+            f"/opt/budgetgpu/node/bin/python3 -I /opt/budgetgpu/node/bin/budgetgpu-job-record {action} "
+            "/var/lib/budgetgpu/job-records/%i"
         ]
         assert directives(root, "ReadWritePaths") == ["-/var/lib/budgetgpu/job-records/%i"]
         assert directives(root, "ProtectSystem") == ["strict"]

@@ -1,24 +1,16 @@
-"""budgetgpu_straggler (roles/torchrun/files, shipped beside the example trainer): the median, the
-slowest rank against it, the line rank 0 logs, the status file, and the defaults kept equal to
+"""The straggler helper (plugins/module_utils/straggler.py, the node package's budgetgpu_node.straggler):
+the median, the slowest rank against it, the line rank 0 logs, the status file, and the defaults kept equal to
 the job model's, the communication settings. The torch part (StepTimer, wrap_ddp) runs in
 test_torchrun_ddp_options.py and the cluster scenario."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.module_utils import job_metrics
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import job_metrics, straggler
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS
 
-PATH = Path(__file__).resolve().parents[3] / "roles/torchrun/files/budgetgpu_straggler.py"
-SPEC = importlib.util.spec_from_file_location("budgetgpu_straggler", PATH)
-straggler = importlib.util.module_from_spec(SPEC)
-sys.modules["budgetgpu_straggler"] = straggler
-SPEC.loader.exec_module(straggler)
 RankTime = straggler.RankTime
 
 

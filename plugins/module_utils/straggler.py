@@ -10,12 +10,12 @@ communication hook that wraps the job's compression hook (DDP takes one hook per
 the rank's last bucket became ready. Before that mark the rank computed; from there to the end of
 backward it waited for communication that compute did not hide (and for slower ranks).
 
-Installed by the torchrun role beside the example trainer (/opt/budgetgpu/examples) and on the
-PYTHONPATH of every job unit, so a job's own training loop can use it. One call wraps the model in
+Part of the node package (role node_venv), which python_env's root-owned .pth puts on the job venv's
+path, so a job's own training loop can use it. One call wraps the model in
 DDP with the job's communication settings (gradient_compression, powersgd_rank,
 powersgd_start_step, bucket_cap_mb, accumulate_steps: the unit's environment) and the timer:
 
-    from budgetgpu_straggler import wrap_ddp
+    from budgetgpu_node.straggler import wrap_ddp
 
     ddp, timer = wrap_ddp(model)                    # after dist.init_process_group()
     batches = iter(loader)
