@@ -105,3 +105,16 @@ def test_the_node_venv_is_roots_with_the_pins_and_the_package(host):
     assert found["pynvml"].endswith(expected)
     # One copy of the node code: none of the folders an earlier release copied module_utils into.
     assert not host.file("/opt/budgetgpu/gpu-probe").exists and not host.file("/opt/budgetgpu/gpu-health").exists
+
+
+def test_after_provisioning_gpu_facts_reads_nvml_through_the_pinned_binding(host):
+    # facts.json is the last converge's (idempotence): the node venv and its local fact were there.
+    binding = facts(host)["gpus"]["driver"]["binding"]
+    assert json.loads(host.file("/etc/ansible/facts.d/budgetgpu_node_venv.fact").content_string) == {
+        "python": NODE_PYTHON
+    }
+    if host.file("/usr/local/lib/budgetgpu-sim/python/pynvml.py").exists:
+        assert binding["path"] == "/usr/local/lib/budgetgpu-sim/python/pynvml.py"  # beneath the binding's callers
+    else:
+        assert (binding["distribution"], binding["version"]) == ("nvidia-ml-py", "13.615.71")
+        assert binding["path"].startswith("/opt/budgetgpu/node/lib/")
