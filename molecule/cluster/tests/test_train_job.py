@@ -436,7 +436,7 @@ def test_root_follows_no_link_the_job_user_planted():
         assert "already exists as a link" in out, out[-3000:]
     finally:
         as_job_user(node, f"rm {CKPT_DIR} && mv {CKPT_DIR}.real {CKPT_DIR}")
-    assert sh(node, "stat -c '%U:%G' /opt/budgetgpu/bin /opt/budgetgpu/bin/budgetgpu-job-record").split() == [
+    assert sh(node, "stat -c '%U:%G' /opt/budgetgpu/bin /opt/budgetgpu/bin/budgetgpu-torchrun").split() == [
         "root:root", "root:root"]  # fmt: skip
     sh(node, "umask 077 && echo BUDGETGPU-ROOT-ONLY > /root/budgetgpu-secret")
     as_job_user(node, f"mv {JOB_DIR}/status.json {JOB_DIR}/status.json.real")
@@ -476,7 +476,7 @@ def plant_hostile_environment(tmp_path: Path) -> dict[str, str]:
         as_job_user(node, f"ln -sfn /etc/budgetgpu-test-nologin {JOB_DIR}/completed")
     return {
         "PATH": f"{evil}/bin:/usr/local/bin:/usr/bin:/bin",
-        "PYTHONPATH": f"{evil}/py:/opt/budgetgpu/examples",
+        "PYTHONPATH": f"{evil}/py",  # the helper is the node package's, on the job venv's path
         "LD_PRELOAD": f"{evil}/evil.so",
     }
 
