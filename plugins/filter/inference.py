@@ -31,4 +31,5 @@ class FilterModule:
             "inference_body_limits": as_filter(_inference.inference_body_limits),
             "inference_context_tokens": as_filter(_inference.inference_context_tokens),
             "inference_max_conns": as_filter(_inference.inference_max_conns),
+            "inference_vllm_venvs": as_filter(_inference.inference_vllm_venvs),
         }

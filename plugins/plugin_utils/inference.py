@@ -1236,6 +1236,41 @@ def _port_clash(host: str, mine: tuple[int, int, str], theirs: tuple[int, int, s
     )
 
 
+def inference_vllm_venvs(services: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Return the vLLM venvs that the normalised services of one node need: [{venv, package, services}],
+    one per vllm.venv, for the services of engine vllm that are not absent. A venv that two services ask
+    to hold different packages is refused (vllm_venv_problems names it in preflight first)."""
+    venvs: dict[str, dict[str, Any]] = {}
+    for service in services or []:
+        if service.get("engine") != "vllm" or service.get("state") == "absent":
+            continue
+        vllm = service["vllm"]
+        path = str(vllm["venv"]).rstrip("/")
+        entry = venvs.setdefault(path, {"venv": path, "package": vllm["package"], "services": []})
+        entry["services"].append(service.get("name"))
+        if entry["package"] != vllm["package"]:
+            raise ValueError(vllm_venv_problems(services)[0])
+    return list(venvs.values())
+
+
+def vllm_venv_problems(services: list[Mapping[str, Any]]) -> list[str]:
+    """One vLLM venv holds one vLLM: services that name the same vllm.venv must ask for the same package."""
+    first: dict[str, tuple[str, str]] = {}
+    problems = []
+    for service in services or []:
+        if service.get("engine") != "vllm" or service.get("state") == "absent":
+            continue
+        vllm, name = service["vllm"], service.get("name")
+        path = str(vllm["venv"]).rstrip("/")
+        other, package = first.setdefault(path, (name, vllm["package"]))
+        if package != vllm["package"]:
+            problems.append(
+                f"service {name}: vllm.package: found {vllm['package']}, expected {package} as service {other} "
+                f"asks for vllm.venv {path} (one venv holds one vLLM: give the service a vllm.venv of its own)"
+            )
+    return problems
+
+
 def inference_check(
     services: list[Mapping[str, Any]],
     hostvars: Mapping[str, Any],
@@ -1277,6 +1312,7 @@ def inference_check(
                 f"uses too, expected one service per GPU (give each service its own gpus list)"
             )
     problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
+    problems += vllm_venv_problems(active)
     problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems
 

@@ -722,6 +722,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_body_limits",
         "inference_context_tokens",
         "inference_max_conns",
+        "inference_vllm_venvs",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
     with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
@@ -854,6 +855,34 @@ def test_a_bad_vllm_setting_is_refused_naming_service_key_found_and_expected(ser
 def test_a_misspelt_engine_is_pointed_at_vllm():
     assert "engine: found 'vlm', expected one of builtin, command, vllm" in refused(chat(engine="vlm"))
     assert "(did you mean vllm?)" in refused(chat(engine="vlm"))
+
+
+def test_each_vllm_venv_is_listed_once_with_its_package_and_its_services():
+    got = services(
+        vllm_chat(),
+        {**vllm_chat(package="vllm==0.11.0", venv="/opt/vllm-b/"), "name": "chat-b", "port": 8200},
+        {**vllm_chat(), "name": "chat-c", "port": 8300},
+        embed(port=8400),
+        {**vllm_chat(package="vllm==0.10.0"), "name": "gone", "port": 8500, "state": "absent"},
+    )
+    assert m.inference_vllm_venvs(got) == [
+        {"venv": "/opt/budgetgpu/vllm-venv", "package": "vllm", "services": ["chat", "chat-c"]},
+        {"venv": "/opt/vllm-b", "package": "vllm==0.11.0", "services": ["chat-b"]},
+    ]
+    assert m.inference_vllm_venvs(services(embed())) == []
+
+
+def test_one_vllm_venv_asked_for_two_packages_is_refused_naming_both_services():
+    got = services(vllm_chat(), {**vllm_chat(package="vllm==0.11.0"), "name": "chat-b", "port": 8200})
+    expected = (
+        "service chat-b: vllm.package: found vllm==0.11.0, expected vllm as service chat asks for vllm.venv "
+        "/opt/budgetgpu/vllm-venv (one venv holds one vLLM: give the service a vllm.venv of its own)"
+    )
+    assert expected in check(got)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        m.inference_vllm_venvs(got)
+    mended = services(vllm_chat(), {**vllm_chat(package="vllm==0.11.0", venv="/opt/vllm-b"), "name": "chat-b"})
+    assert not [problem for problem in check(mended) if "vllm.package" in problem]
 
 
 def test_the_mended_vllm_service_passes():
