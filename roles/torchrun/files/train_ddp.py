@@ -24,8 +24,8 @@ lines are `key=value`, for people and tests:
     straggler: rank 5 (node2 GPU 1): 31% slower than the median over the last 200 steps
 
 DDP all-reduces the gradients in buckets during backward, with the job's gradient compression and
-bucket size, and accumulates gradients over accumulate_steps micro-batches (budgetgpu_straggler's
-wrap_ddp, installed beside this script). Each rank splits its step into compute, communication that
+bucket size, and accumulates gradients over accumulate_steps micro-batches (budgetgpu_node.straggler's
+wrap_ddp, the node package on the job venv's path). Each rank splits its step into compute, communication that
 backward did not hide, and waiting for data; every N steps rank 0 names the slowest rank against the
 median, and writes the job's status (step, steps per second since the last report, the latest
 straggler line, each rank's breakdown and the straggler ratio) to a JSON file that the health watch
@@ -34,7 +34,7 @@ exports as metrics and `playbooks/train.yml -e job_state=status` reads.
 Defaults come from the environment the unit sets: BUDGETGPU_CHECKPOINT_DIR,
 BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_DIST_BACKEND,
 BUDGETGPU_STRAGGLER_EVERY_STEPS, BUDGETGPU_STATUS_FILE, and the communication settings
-(budgetgpu_straggler.CommSettings.from_env: BUDGETGPU_GRADIENT_COMPRESSION, BUDGETGPU_POWERSGD_RANK,
+(budgetgpu_node.straggler.CommSettings.from_env: BUDGETGPU_GRADIENT_COMPRESSION, BUDGETGPU_POWERSGD_RANK,
 BUDGETGPU_POWERSGD_START_STEP, BUDGETGPU_BUCKET_CAP_MB, BUDGETGPU_ACCUMULATE_STEPS).
 """
 
@@ -448,7 +448,7 @@ def train_step(
 ) -> torch.Tensor:
     """One optimizer step over accumulate_steps micro-batches from data; return the last one's loss.
     DDP all-reduces the gradients in buckets during the last backward (the earlier ones run under
-    no_sync), so communication overlaps compute; the timer splits the step (budgetgpu_straggler)."""
+    no_sync), so communication overlaps compute; the timer splits the step (budgetgpu_node.straggler)."""
     optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros(())
     for fwd_bwd in timer.micro_batches(ddp):
