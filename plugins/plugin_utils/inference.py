@@ -1236,6 +1236,18 @@ def _port_clash(host: str, mine: tuple[int, int, str], theirs: tuple[int, int, s
     )
 
 
+def inference_extra_requirements(services: list[Mapping[str, Any]]) -> list[str]:
+    """Return the requirement files (roles/inference/files) that the built-in worker needs beyond
+    requirements.txt for the services of one node that are not absent: requirements-split.txt (accelerate)
+    where a worker spans GPUs or loads in 8 or 4 bits, requirements-quant.txt (bitsandbytes) where it loads
+    in 8 or 4 bits. Other engines bring their own packages."""
+    builtin = [s for s in services or [] if s.get("engine") == "builtin" and s.get("state") != "absent"]
+    quantized = any(s.get("quantization") in ("8bit", "4bit") for s in builtin)
+    split = quantized or any(_per_worker(s) > 1 for s in builtin)
+    wanted = {"requirements-split.txt": split, "requirements-quant.txt": quantized}
+    return [name for name, asked in wanted.items() if asked]
+
+
 def inference_vllm_venvs(services: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Return the vLLM venvs that the normalised services of one node need: [{venv, package, services}],
     one per vllm.venv, for the services of engine vllm that are not absent. A venv that two services ask

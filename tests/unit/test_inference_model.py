@@ -723,6 +723,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_context_tokens",
         "inference_max_conns",
         "inference_vllm_venvs",
+        "inference_extra_requirements",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
     with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
@@ -855,6 +856,19 @@ def test_a_bad_vllm_setting_is_refused_naming_service_key_found_and_expected(ser
 def test_a_misspelt_engine_is_pointed_at_vllm():
     assert "engine: found 'vlm', expected one of builtin, command, vllm" in refused(chat(engine="vlm"))
     assert "(did you mean vllm?)" in refused(chat(engine="vlm"))
+
+
+def test_the_worker_gets_accelerate_to_span_gpus_and_bitsandbytes_to_load_in_8_or_4_bits():
+    extra = m.inference_extra_requirements
+    assert extra(services(embed())) == []
+    assert extra(services(chat(gpus_per_worker=2))) == ["requirements-split.txt"]
+    assert extra(services(chat(quantization="4bit"))) == ["requirements-split.txt", "requirements-quant.txt"]
+    assert extra(services(embed(), {**chat(quantization="8bit"), "port": 8200})) == [
+        "requirements-split.txt",
+        "requirements-quant.txt",
+    ]
+    assert extra(services(chat(quantization="4bit", state="absent"))) == []
+    assert extra(services(vllm_chat(quantization="awq"))) == []  # vLLM's venv brings its own
 
 
 def test_each_vllm_venv_is_listed_once_with_its_package_and_its_services():
