@@ -2,7 +2,7 @@
 collector: the samples and their types and help (METRICS); the watch writes Prometheus' text format
 with prometheus_client.
 
-Rank 0 of a job writes its status (roles/torchrun/files/straggler.py write_status: step,
+Rank 0 of a job writes its status (straggler.py write_status: step,
 steps per second over the last window, each rank's compute seconds per step, the straggler ratio)
 to /var/lib/budgetgpu/jobs/<job>/status.json. The health watch (scripts/gpu-health, an unprivileged
 user of its own, each pass) reads those files and the jobs' units' state and writes their metrics
@@ -53,7 +53,7 @@ _MAX_INT = 1 << 53
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 NUMBER, TEXT = "number", "text"
-# The status schema (roles/torchrun/files/straggler.py write_status): each field the metrics
+# The status schema (straggler.py write_status): each field the metrics
 # read and its kind. A field of another kind refuses the file; fields not listed pass through parse_status
 # with their numbers checked finite and their texts cleaned, so a writer may add some before a reader.
 STATUS_FIELDS = {

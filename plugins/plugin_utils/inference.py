@@ -1248,20 +1248,26 @@ def inference_extra_requirements(services: list[Mapping[str, Any]]) -> list[str]
     return [name for name, asked in wanted.items() if asked]
 
 
+def _vllm_services(services: list[Mapping[str, Any]]) -> list[tuple[str, Mapping[str, Any]]]:
+    """Return (vllm.venv without its trailing slash, service) of the services of engine vllm not absent."""
+    return [
+        (str(s["vllm"]["venv"]).rstrip("/"), s)
+        for s in services or []
+        if s.get("engine") == "vllm" and s.get("state") != "absent"
+    ]
+
+
 def inference_vllm_venvs(services: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Return the vLLM venvs that the normalised services of one node need: [{venv, package, services}],
     one per vllm.venv, for the services of engine vllm that are not absent. A venv that two services ask
     to hold different packages is refused (vllm_venv_problems names it in preflight first)."""
+    problems = vllm_venv_problems(services)
+    if problems:
+        raise ValueError(problems[0])
     venvs: dict[str, dict[str, Any]] = {}
-    for service in services or []:
-        if service.get("engine") != "vllm" or service.get("state") == "absent":
-            continue
-        vllm = service["vllm"]
-        path = str(vllm["venv"]).rstrip("/")
-        entry = venvs.setdefault(path, {"venv": path, "package": vllm["package"], "services": []})
+    for path, service in _vllm_services(services):
+        entry = venvs.setdefault(path, {"venv": path, "package": service["vllm"]["package"], "services": []})
         entry["services"].append(service.get("name"))
-        if entry["package"] != vllm["package"]:
-            raise ValueError(vllm_venv_problems(services)[0])
     return list(venvs.values())
 
 
@@ -1269,15 +1275,12 @@ def vllm_venv_problems(services: list[Mapping[str, Any]]) -> list[str]:
     """One vLLM venv holds one vLLM: services that name the same vllm.venv must ask for the same package."""
     first: dict[str, tuple[str, str]] = {}
     problems = []
-    for service in services or []:
-        if service.get("engine") != "vllm" or service.get("state") == "absent":
-            continue
-        vllm, name = service["vllm"], service.get("name")
-        path = str(vllm["venv"]).rstrip("/")
-        other, package = first.setdefault(path, (name, vllm["package"]))
-        if package != vllm["package"]:
+    for path, service in _vllm_services(services):
+        package, name = service["vllm"]["package"], service.get("name")
+        other, wanted = first.setdefault(path, (name, package))
+        if package != wanted:
             problems.append(
-                f"service {name}: vllm.package: found {vllm['package']}, expected {package} as service {other} "
+                f"service {name}: vllm.package: found {package}, expected {wanted} as service {other} "
                 f"asks for vllm.venv {path} (one venv holds one vLLM: give the service a vllm.venv of its own)"
             )
     return problems
