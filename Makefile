@@ -17,7 +17,7 @@ SCENARIO ?=
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv image image-trixie wheelhouse prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
+.PHONY: help venv image image-trixie wheelhouse venv-torch prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -98,9 +98,12 @@ lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every mo
 # The unit tests ansible-test runs in its own contexts (modules and module_utils: nothing of the
 # controller importable).
 UNIT_ISOLATED := tests/unit/plugins/modules/ tests/unit/plugins/module_utils/
-unit: venv wheelhouse ## Unit tests (ansible-test units, pytest): modules, module_utils, filters, templates
-	@# The training script's tests run a real 2-process gloo job: torch's CPU build, from the wheelhouse.
+# torch's CPU build in .venv, from the wheelhouse: the training script's tests run a real 2-process gloo
+# job, and molecule/inference's prepare builds its test models with it.
+venv-torch: venv wheelhouse
 	@$(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/pip install --quiet --no-index --find-links .cache/wheelhouse torch==2.13.0
+
+unit: venv-torch ## Unit tests (ansible-test units, pytest): modules, module_utils, filters, templates
 	@# The module and module_utils tests through ansible-test, as Galaxy users would run them (only
 	@# ansible's module_utils importable); the rest (filters, callbacks, templates, scripts, trainer,
 	@# worker) through pytest directly: ansible-test forks every test, so each module-scoped fixture
@@ -109,7 +112,7 @@ unit: venv wheelhouse ## Unit tests (ansible-test units, pytest): modules, modul
 	tests/sanity/run-ansible-test units --python 3.11 --color no $(UNIT_ISOLATED)
 	$(BIN)/python -m pytest -n 2 -p no:cacheprovider $(addprefix --ignore=,$(UNIT_ISOLATED)) tests/unit
 
-molecule: image $(if $(filter provision_trixie,$(or $(SCENARIO),$(SCENARIOS))),image-trixie) wheelhouse ## Molecule scenarios: all, or one with SCENARIO=name
+molecule: image $(if $(filter provision_trixie,$(or $(SCENARIO),$(SCENARIOS))),image-trixie) venv-torch ## Molecule scenarios: all, or one with SCENARIO=name
 	@scripts/run-molecule $(or $(SCENARIO),$(SCENARIOS))
 
 collection: venv ## Build the collection tarball

@@ -1126,8 +1126,8 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
 
 def _gguf_need(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
     """engine llamacpp: (the memory need, the model's problems) from what the control node found of
-    the GGUF file (preflight: {"gguf_bytes": size}, or None where it is missing or not a file)."""
-    size = found.get("gguf_bytes") if isinstance(found, Mapping) else None
+    the GGUF file: preflight's stat of it ({exists, isreg, size})."""
+    size = found.get("size") if isinstance(found, Mapping) and found.get("isreg") else None
     if not _is_int(size) or size <= 0:
         return None, [
             f"control node: service {service.get('name')}: model: found no GGUF file {service.get('model')} on the "
@@ -1286,6 +1286,21 @@ def vllm_venv_problems(services: list[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
+def llama_server_problems(services: list[Mapping[str, Any]], llama_server: Mapping[str, Any] | None) -> list[str]:
+    """engine llamacpp: the role copies llama-server from the control node (inference_llamacpp_server).
+    llama_server: {path} and preflight's stat of it there ({exists, isreg, executable}); None: not looked at."""
+    names = [s.get("name") for s in services or [] if s.get("engine") == "llamacpp" and s.get("state") != "absent"]
+    if not names or llama_server is None or (llama_server.get("isreg") and llama_server.get("executable")):
+        return []
+    path = str(llama_server.get("path") or "")
+    found = f"{path}, which is not an executable file there" if path else "none"
+    return [
+        f"control node: inference_llamacpp_server: found {found}, expected the path of llama.cpp's llama-server on "
+        f"the control node for service {', '.join(names)} of engine llamacpp (scripts/build-llama-server builds it "
+        "and prints its path)"
+    ]
+
+
 def inference_check(
     services: list[Mapping[str, Any]],
     hostvars: Mapping[str, Any],
@@ -1296,6 +1311,7 @@ def inference_check(
     api_keys: Any = None,
     gateway_allow: list[str] | None = None,
     cluster_subnet: str | None = None,
+    llama_server: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -1309,6 +1325,7 @@ def inference_check(
     run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
     api_keys, gateway_allow, cluster_subnet: inference_api_keys, inference_gateway_allow and
     budgetgpu_cluster_subnet, for gateway_problems (an empty allow list, no key, a bad key).
+    llama_server: {path, exists, isreg, executable} of inference_llamacpp_server on the control node.
     """
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
@@ -1328,6 +1345,7 @@ def inference_check(
             )
     problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
     problems += vllm_venv_problems(active)
+    problems += llama_server_problems(active, llama_server)
     problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems
 

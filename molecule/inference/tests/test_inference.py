@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[3]
 GATEWAY, OTHER = "inference-node1", "inference-node2"
 NODES = (GATEWAY, OTHER)
@@ -111,14 +109,21 @@ def embed(node: str, texts: list[str], url: str) -> list[list[float]]:
     return [item["embedding"] for item in json.loads(answer["body"])["data"]]
 
 
-@pytest.fixture(scope="module")
-def addresses() -> dict[str, str]:
-    return {node: address(node) for node in NODES}
+def gpu_uuids(node: str) -> list[str]:
+    """The node's GPU UUIDs as NVML (gpu_facts) reports them, in nvidia-smi order (the system python has
+    the simulated pynvml)."""
+    return json.loads(
+        sh(
+            node,
+            "python3 -c 'import json, pynvml; pynvml.nvmlInit(); "
+            "print(json.dumps([pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) "
+            "for i in range(pynvml.nvmlDeviceGetCount())]))'",
+        )
+    )
 
 
-@pytest.fixture(scope="module")
-def gateway(addresses: dict[str, str]) -> str:
-    return addresses[GATEWAY]
+def main_pid(node: str, unit: str) -> str:
+    return sh(node, f"systemctl show -p MainPID --value {unit}").strip()
 
 
 def test_every_worker_comes_up(addresses: dict[str, str]) -> None:
@@ -131,16 +136,7 @@ def test_every_worker_comes_up(addresses: dict[str, str]) -> None:
 
 def test_units_are_hardened_and_pinned_by_gpu_uuid() -> None:
     for node in NODES:
-        # The GPUs' UUIDs as NVML (gpu_facts) reports them, in nvidia-smi order (the system python has
-        # the simulated pynvml).
-        uuids = json.loads(
-            sh(
-                node,
-                "python3 -c 'import json, pynvml; pynvml.nvmlInit(); "
-                "print(json.dumps([pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) "
-                "for i in range(pynvml.nvmlDeviceGetCount())]))'",
-            )
-        )
+        uuids = gpu_uuids(node)
         for unit, gpu in (("embed@0", 0), ("embed@1", 1), ("generate@0", 2)):
             props = dict(
                 line.split("=", 1)
@@ -221,7 +217,7 @@ def test_firewall_lets_only_the_gateway_reach_the_workers(addresses: dict[str, s
 
 def test_a_killed_worker_is_restarted_and_serves_again(addresses: dict[str, str], gateway: str) -> None:
     unit = "budgetgpu-infer-embed@1.service"
-    pid = sh(OTHER, f"systemctl show -p MainPID --value {unit}").strip()
+    pid = main_pid(OTHER, unit)
     assert pid not in ("", "0")
     sh(OTHER, f"kill -KILL {pid}")
     # Meanwhile the gateway serves every request from the other workers.
@@ -234,7 +230,7 @@ def test_a_killed_worker_is_restarted_and_serves_again(addresses: dict[str, str]
     assert all(a["status"] == 200 for a in answers), [a for a in answers if a["status"] != 200][:3]
     wait_for(
         f"{unit} running again with a new process",
-        lambda: sh(OTHER, f"systemctl show -p MainPID --value {unit}").strip() not in ("", "0", pid),
+        lambda: main_pid(OTHER, unit) not in ("", "0", pid),
     )
     wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{addresses[OTHER]}:{EMBED_PORT + 1}/health"))
     # NGINX takes a failed server back only after fail_timeout (5 s) has passed since its last
@@ -407,7 +403,7 @@ def lost(result: dict) -> str:
 
 def test_a_worker_killed_mid_run_costs_no_request(gateway: str, addresses: dict[str, str]) -> None:
     unit = "budgetgpu-infer-embed@0.service"
-    pid = sh(GATEWAY, f"systemctl show -p MainPID --value {unit}").strip()
+    pid = main_pid(GATEWAY, unit)
     result = loadtest(
         GATEWAY,
         f"http://{gateway}:{EMBED_GATEWAY}",
@@ -421,7 +417,7 @@ def test_a_worker_killed_mid_run_costs_no_request(gateway: str, addresses: dict[
         f"systemctl kill -s KILL {unit}",
     )
     assert result["ok"] == 400 and result["errors"] == {}, lost(result)
-    assert sh(GATEWAY, f"systemctl show -p MainPID --value {unit}").strip() != pid
+    assert main_pid(GATEWAY, unit) != pid
     wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT}/health"))
 
 

@@ -1,9 +1,10 @@
-"""Print, as one JSON line, a digest of each model directory on the control node.
+"""Print, as one JSON line, a digest of each model on the control node: a directory, or one file
+(a GGUF model of engine llamacpp).
 
-Usage: python3 model_digest.py JSON   (JSON: {NAME: DIR})
+Usage: python3 model_digest.py JSON   (JSON: {NAME: PATH})
 
 The digest covers every file's relative path, size and modification time (not its content:
-model weights are gigabytes, read every run). A missing directory digests to null (preflight
+model weights are gigabytes, read every run). A missing model digests to null (preflight
 names it). The inference role copies a model to the nodes only when its digest differs from
 the stamp the last copy left there.
 """
@@ -18,6 +19,9 @@ import sys
 
 def digest(top: str) -> str | None:
     top = os.path.realpath(top)
+    if os.path.isfile(top):
+        st = os.stat(top)
+        return hashlib.sha256(f"{os.path.basename(top)}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
     if not os.path.isdir(top):
         return None
     entries = []

@@ -101,6 +101,36 @@ def test_a_gateway_open_to_everyone_or_without_a_key_is_refused_and_no_key_is_sh
     )
 
 
+def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_node(tmp_path):
+    gguf = tmp_path / "models" / "tiny.gguf"
+    services = [service("chat", str(gguf), task="generation", engine="llamacpp", concurrency=2)]
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, inference_services=services, **GATEWAY)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-3000:]
+    for line in (
+        f"FAIL control node: service chat: model: found no GGUF file {gguf} on the control node",
+        "FAIL control node: inference_llamacpp_server: found none, expected the path of llama.cpp's llama-server on "
+        "the control node for service chat of engine llamacpp (scripts/build-llama-server builds it",
+    ):
+        assert line in out, line
+    assert list((tmp_path / "written").iterdir()) == []
+    # A binary that is not executable is refused too; a GGUF file and an executable llama-server pass.
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(4096))
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\n")
+    (tmp_path / "written").rename(tmp_path / "written-1")
+    variables = {"inference_services": services, "inference_llamacpp_server": str(server), **GATEWAY}
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **variables)
+    assert proc.returncode != 0
+    assert f"FAIL control node: inference_llamacpp_server: found {server}, which is not an executable" in proc.stdout
+    server.chmod(0o755)
+    (tmp_path / "written").rename(tmp_path / "written-2")
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **variables)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "inference placement passed: 1 services, chat" in proc.stdout
+
+
 def test_a_bad_service_field_fails_naming_service_and_field(tmp_path):
     services = [service("embed", model(tmp_path, "minilm", MINILM), quantization="4-bit")]
     proc = playbook(tmp_path, [], {"fake1": gpu_node()}, inference_services=services)
