@@ -3,7 +3,8 @@ scripts/build-llama-server, serving the tiny GPT-2 as a GGUF file under the same
 pinning, gateway, keys and health checks as the built-in worker; through the gateway with the
 official openai client (completions, chats, both streamed), killed and restarted while the gateway
 serves on, and its /metrics read from the gateway's node (an address the firewall admits, as
-Prometheus' is) in Prometheus' text format, holding every llama.cpp series the recording rules read.
+Prometheus' is) in Prometheus' text format, holding every llama.cpp series the recording rules read;
+Debian's Prometheus, scraping every worker, records the same series for both engines' workers.
 
 The helpers are test_inference.py's, the fixtures conftest.py's; these tests run after test_inference.py's."""
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 from prometheus_client.parser import text_string_to_metric_families
 from test_inference import (
     AUTH,
     GATEWAY,
+    GENERATE_GATEWAY,
     KEY,
     NODES,
     OTHER,
@@ -140,3 +143,48 @@ def test_llama_server_metrics_hold_every_series_the_recording_rules_read(address
         read = set(re.findall(r"llamacpp:\w+", RULES.read_text()))
         assert read, "the recording rules read no llama.cpp series"
         assert read <= set(samples), (node, read - set(samples))
+
+
+PROMETHEUS_QUERY = """
+import sys, urllib.parse, urllib.request
+url = "http://127.0.0.1:9090/api/v1/query?" + urllib.parse.urlencode({"query": sys.argv[1]})
+print(urllib.request.urlopen(url, timeout=5).read().decode())
+"""
+
+
+def prometheus(query: str) -> list[dict]:
+    """The result of an instant query of the Prometheus on the gateway's node (its HTTP API)."""
+    proc = subprocess.run(
+        ["docker", "exec", GATEWAY, "python3", "-c", PROMETHEUS_QUERY, query],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = json.loads(proc.stdout)
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]
+
+
+def test_prometheus_records_the_same_series_for_llama_cpp_and_builtin_workers(gateway) -> None:
+    # Generation on both engines' services, then their tokens per second as the dashboard reads them.
+    generate = {"model": "generate", "prompt": "The cat", "max_tokens": 4}
+    specs = [completion(gateway, i) for i in range(8)]
+    specs += [{"url": f"http://{gateway}:{GENERATE_GATEWAY}/v1/completions", "body": generate, "headers": AUTH}] * 4
+    assert all(a["status"] == 200 for a in requests(OTHER, specs, parallel=2))
+    want = {(service, node) for service in ("llama", "generate") for node in NODES}
+
+    def generating() -> set:
+        found = prometheus("budgetgpu_inference:generated_tokens:rate5m > 0")
+        return want <= {(s["metric"]["service"], s["metric"]["node"]) for s in found}
+
+    wait_for("tokens per second of both engines' workers in Prometheus", generating, timeout=60)
+    # Every worker of every engine has its in-flight series (llama.cpp: its busy slots)...
+    in_flight = {(s["metric"]["service"], s["metric"]["node"]) for s in prometheus("budgetgpu_inference:in_flight")}
+    assert in_flight == {(service, node) for service in ("embed", "generate", "llama") for node in NODES}, in_flight
+    # ...and llama-server, which counts no requests, has no request rate rather than a made-up one.
+    services = {s["metric"]["service"] for s in prometheus("budgetgpu_inference:requests:rate5m")}
+    assert services == {"embed", "generate"}, services
+    up = {(s["metric"]["service"], s["value"][1]) for s in prometheus('up{job="inference"}')}
+    assert up == {("embed", "1"), ("generate", "1"), ("llama", "1")}, up

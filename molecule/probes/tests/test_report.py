@@ -34,8 +34,9 @@ def test_every_gpu_metric_the_dashboard_asks_for_is_in_prometheus_for_every_simu
     assert {name: sorted(got) for name, got in uuids.items()} == {
         name: sorted(GPUS_3090 + ([] if name in fans else [H200])) for name in gpu_names
     }
-    # The node panels' names are here too; the job and inference panels' have no source in this scenario.
-    others = {n for n in names - written if not n.startswith(("budgetgpu_job_", "budgetgpu_inference_"))}
+    # The node panels' names are here too; the job and inference panels' have no source in this scenario
+    # (the inference panels read the recorded budgetgpu_inference:* series, molecule/inference's).
+    others = {n for n in names - written if not n.startswith(("budgetgpu_job_", "budgetgpu_inference"))}
     # The node power panel reads the RAPL reader's (role node_exporter); a container has no powercap
     # tree, so its per-zone CPU counter has no series here, and the base watts have.
     rapl = {"budgetgpu_node_base_watts", "budgetgpu_node_cpu_energy_joules_total"}
