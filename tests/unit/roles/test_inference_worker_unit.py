@@ -29,6 +29,7 @@ PLAYBOOK = """\
         mode: "0644"
       vars:
         _inference_worker_script: /opt/budgetgpu/inference/inference_worker.py
+        _inference_llama_server: /usr/local/lib/budgetgpu/llama-server
 """
 
 
