@@ -87,6 +87,7 @@ ROLE_FACTS = frozenset(
         "budgetgpu_jobs_active",
         "budgetgpu_disruption_allowed",
         "budgetgpu_probed_this_run",
+        "budgetgpu_node_venv_ready",
         "budgetgpu_driver",
         "budgetgpu_driver_reboot_pending",
         "budgetgpu_cuda",

@@ -138,3 +138,12 @@ def test_smoke_parsing_and_command_line(smoke_script, probe_script, fake_pynvml,
     no_driver = {"gpus": {"driver": {"loaded": False, "reason": "no driver"}, "gpus": []}, "pcie": {"gpus": []}}
     saved.write_text(json.dumps(no_driver))
     assert smoke_script.main(["--probe-json", str(saved), "--smi-csv", str(H200_CSV)]) == 2
+
+
+def test_smoke_quant_runs_the_workers_own_load_and_names_what_fails_without_cuda(smoke_script, capsys):
+    # No GPU here: the worker's load refuses 4bit on CPU, and the report says so, not a traceback alone.
+    pytest.importorskip("torch", reason="torch (make unit installs it) is not in this python")
+    pytest.importorskip("transformers", reason="transformers is not in this python")
+    assert smoke_script.main(["--quant", "--python", sys.executable]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("quant    FAILED (exit 1): ") and "quantization 4bit needs a CUDA GPU" in out, out
