@@ -247,6 +247,13 @@ def _bad_identity(service: Mapping[str, Any]) -> list[str]:
     model = service.get("model")
     if not isinstance(model, str) or not model.strip():
         bad.append(f"model: found {model!r}, expected a model directory on the control node (config.json inside)")
+    elif not model.startswith("/"):
+        # The role reads and copies it from tasks on the control node, whose working directory is not the
+        # playbook's: a relative path would name different files in preflight and in the copy.
+        bad.append(
+            f"model: found {model!r}, expected an absolute path on the control node (e.g. "
+            "\"{{ inventory_dir }}/models/...\" or /srv/models/...)"
+        )
     for key in sorted(set(service) - SERVICE_KEYS - DERIVED_KEYS, key=str):
         bad.append(
             f"{key}: unknown key{_nearest(key, SERVICE_KEYS)}; expected one of {', '.join(sorted(SERVICE_KEYS))}"
@@ -1290,14 +1297,21 @@ def llama_server_problems(services: list[Mapping[str, Any]], llama_server: Mappi
     """engine llamacpp: the role copies llama-server from the control node (inference_llamacpp_server).
     llama_server: {path} and preflight's stat of it there ({exists, isreg, executable}); None: not looked at."""
     names = [s.get("name") for s in services or [] if s.get("engine") == "llamacpp" and s.get("state") != "absent"]
-    if not names or llama_server is None or (llama_server.get("isreg") and llama_server.get("executable")):
+    if not names or llama_server is None:
         return []
     path = str(llama_server.get("path") or "")
-    found = f"{path}, which is not an executable file there" if path else "none"
+    if not path:
+        found = "none"
+    elif not path.startswith("/"):
+        found = f"{path!r}, a relative path"
+    elif not (llama_server.get("isreg") and llama_server.get("executable")):
+        found = f"{path}, which is not an executable file there"
+    else:
+        return []
     return [
-        f"control node: inference_llamacpp_server: found {found}, expected the path of llama.cpp's llama-server on "
-        f"the control node for service {', '.join(names)} of engine llamacpp (scripts/build-llama-server builds it "
-        "and prints its path)"
+        f"control node: inference_llamacpp_server: found {found}, expected the absolute path of llama.cpp's "
+        f"llama-server on the control node for service {', '.join(names)} of engine llamacpp "
+        "(scripts/build-llama-server builds it and prints its path)"
     ]
 
 

@@ -190,6 +190,7 @@ def test_a_mapping_of_services_is_told_to_become_a_list():
         ({"model": "/m", "task": "embeddings"}, "inference_services[0]: name: found None, expected lower-case"),
         (embed(name="My Service"), "name: found 'My Service', expected lower-case letters"),
         ({"name": "embed", "task": "embeddings"}, "(embed): model: found None, expected a model directory"),
+        (embed(model="models/minilm"), "model: found 'models/minilm', expected an absolute path on the control node"),
         ({"name": "embed", "model": "/m"}, "(embed): task: found None, expected one of embeddings, generation"),
         (embed(task="embedding"), "task: found 'embedding', expected one of embeddings, generation (did you mean"),
         (embed(quantisation="4bit"), "quantisation: unknown key (did you mean quantization?)"),

@@ -109,8 +109,8 @@ def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_
     assert proc.returncode != 0, out[-3000:]
     for line in (
         f"FAIL control node: service chat: model: found no GGUF file {gguf} on the control node",
-        "FAIL control node: inference_llamacpp_server: found none, expected the path of llama.cpp's llama-server on "
-        "the control node for service chat of engine llamacpp (scripts/build-llama-server builds it",
+        "FAIL control node: inference_llamacpp_server: found none, expected the absolute path of llama.cpp's "
+        "llama-server on the control node for service chat of engine llamacpp (scripts/build-llama-server builds it",
     ):
         assert line in out, line
     assert list((tmp_path / "written").iterdir()) == []
@@ -125,6 +125,9 @@ def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_
     assert proc.returncode != 0
     assert f"FAIL control node: inference_llamacpp_server: found {server}, which is not an executable" in proc.stdout
     server.chmod(0o755)
+    (tmp_path / "written").rename(tmp_path / "written-relative")
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **{**variables, "inference_llamacpp_server": "llama-server"})
+    assert "FAIL control node: inference_llamacpp_server: found 'llama-server', a relative path" in proc.stdout
     (tmp_path / "written").rename(tmp_path / "written-2")
     proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **variables)
     assert proc.returncode == 0, proc.stdout[-3000:]
