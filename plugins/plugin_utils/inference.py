@@ -252,7 +252,7 @@ def _bad_identity(service: Mapping[str, Any]) -> list[str]:
         # playbook's: a relative path would name different files in preflight and in the copy.
         bad.append(
             f"model: found {model!r}, expected an absolute path on the control node (e.g. "
-            "\"{{ inventory_dir }}/models/...\" or /srv/models/...)"
+            '"{{ inventory_dir }}/models/..." or /srv/models/...)'
         )
     for key in sorted(set(service) - SERVICE_KEYS - DERIVED_KEYS, key=str):
         bad.append(

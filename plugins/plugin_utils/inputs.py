@@ -77,7 +77,7 @@ OTHER_INPUTS = {
     "torchrun_node_rank": {"type": "int"},
 }
 # Facts the roles set (set_fact / ansible_facts): present in hostvars once a play has run.
-# tests/unit/test_check_inputs.py greps the roles for new ones.
+# tests/unit/plugins/plugin_utils/test_inputs.py greps the roles for new ones.
 ROLE_FACTS = frozenset(
     {
         "budgetgpu_gpus",
@@ -87,7 +87,7 @@ ROLE_FACTS = frozenset(
         "budgetgpu_jobs_active",
         "budgetgpu_disruption_allowed",
         "budgetgpu_probed_this_run",
-        "budgetgpu_node_venv_ready",
+        "node_venv_ready",
         "budgetgpu_driver",
         "budgetgpu_driver_reboot_pending",
         "budgetgpu_cuda",
