@@ -52,12 +52,16 @@ def torch_dir(path: Path) -> Path:
     return path
 
 
-def start(cpus: float, torch_path: Path) -> None:
+def start(cpus: float, period_ms: float, torch_path: Path) -> None:
+    """The four node containers, each with the CFS quota cpus x period_ms every period_ms: a throttled
+    container waits up to the rest of its period, which a chain of small collectives pays each time."""
     cleanup()
+    period_us = int(period_ms * 1000)
     sh("docker", "network", "create", "--subnet", SUBNET, NETWORK)
     for index, name in enumerate(NODES, start=1):
         sh("docker", "run", "-d", "--name", name, "--hostname", name, "--network", NETWORK,
-           "--ip", f"10.231.227.{10 + index}", f"--cpus={cpus}", "--cap-add", "NET_ADMIN",
+           "--ip", f"10.231.227.{10 + index}", f"--cpu-period={period_us}",
+           f"--cpu-quota={int(cpus * period_us)}", "--cap-add", "NET_ADMIN",
            "-v", f"{torch_path}:/opt/torch:ro", "-v", f"{ROOT / 'roles/torchrun/files'}:/opt/code:ro",
            "-v", f"{ROOT / 'plugins/module_utils'}:/opt/node/budgetgpu_node:ro",
            "-v", f"{ROOT / 'scripts'}:/opt/bench:ro", "--entrypoint", "sleep", IMAGE, "infinity")  # fmt: skip
@@ -84,14 +88,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [json.loads(line) for line in logs[0].read_text().splitlines() if line.startswith("{")]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+def spread(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table: per ratio, nodes and option the median samples/s over rounds (min-max),
     the scaling efficiency against the 1-node run, the ratio to stock DDP in the same rounds, and the
-    breakdown (rank mean of seconds per step)."""
+    breakdown (rank mean of seconds per step), and the time rank 0's container was held back by its
+    CPU quota (seconds per step)."""
     cal = [r for r in rows if "calibration" in r]
     runs = [r for r in rows if "option" in r]
     one = [r["samples_per_s"] for r in runs if r["nodes"] == 1]
@@ -105,8 +110,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "",
     ]
     lines += ["| ratio | nodes | option | batch | samples/s median (min-max) | efficiency | vs stock DDP | "
-              "compute / comm not hidden / data (s per step) | rounds |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+              "compute / comm not hidden / data (s per step) | throttled (s per step) | rounds |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for (ratio, nodes, option), found in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), -kv[0][1])):
         if nodes == 1:
             continue
@@ -115,10 +120,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         vs = [r["samples_per_s"] / stock[r["round"]] for r in found if r["round"] in stock]
         b = [r["breakdown_s"] for r in found]
         parts = " / ".join(f"{statistics.median([x[k] for x in b]):.3f}" for k in ("compute", "comm", "data"))
+        throttled = [r["throttled_s"] for r in found if "throttled_s" in r]
         eff = statistics.median(sps) / (nodes * base) * (runs[0]["global_batch"] / found[0]["global_batch"])
         lines.append(
             f"| {ratio} | {nodes} | {option} | {found[0]['global_batch']} | {spread(sps)} | {eff:.0%} | "
-            f"{spread(vs) if vs else '-'} | {parts} | {len(found)} |"
+            f"{spread(vs) if vs else '-'} | {parts} | {spread(throttled, 3) if throttled else '-'} | {len(found)} |"
         )
     return "\n".join(lines)
 
@@ -128,6 +134,7 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/budgetgpu-scaling.json", help="the rows as JSON")
     parser.add_argument("--table", help="print the table of an earlier --out file and exit")
     parser.add_argument("--cpus", type=float, default=0.3, help="CPU quota of each node container")
+    parser.add_argument("--cpu-period-ms", type=float, default=100, help="CFS period of the quota (docker's: 100)")
     parser.add_argument("--minutes", type=float, default=10, help="no round starts after this")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per row (after 2 warm-up steps)")
@@ -144,12 +151,15 @@ def main() -> int:
         return 0
     started = time.monotonic()
     try:
-        start(args.cpus, torch_dir(args.torch_dir))
+        start(args.cpus, args.cpu_period_ms, torch_dir(args.torch_dir))
         rows = run(args)
     finally:
         cleanup()
     Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"{len(rows)} rows in {time.monotonic() - started:.0f} s, cpus {args.cpus} per node -> {args.out}")
+    print(
+        f"{len(rows)} rows in {time.monotonic() - started:.0f} s, cpus {args.cpus} per node "
+        f"(CFS period {args.cpu_period_ms:g} ms) -> {args.out}"
+    )
     print(table(rows))
     return 0
 

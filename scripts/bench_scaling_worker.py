@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 # The 2-node rows use ranks 0 and 1 (at the last ratio only: the 2 cores bound the run's time); the
@@ -59,6 +60,21 @@ def shape(rate_bit: float | None) -> None:
              "burst", str(burst), "limit", str(limit)],
             check=True,
         )  # fmt: skip
+
+
+def throttled_s() -> float:
+    """Seconds this container has been held back by its CFS quota (cgroup v2 or v1), 0 if unknown."""
+    for path, key, scale in (
+        ("/sys/fs/cgroup/cpu.stat", "throttled_usec", 1e-6),
+        ("/sys/fs/cgroup/cpu,cpuacct/cpu.stat", "throttled_time", 1e-9),
+        ("/sys/fs/cgroup/cpu/cpu.stat", "throttled_time", 1e-9),
+    ):
+        try:
+            fields = dict(line.split() for line in Path(path).read_text().splitlines())
+        except OSError:
+            continue
+        return int(fields.get(key, 0)) * scale
+    return 0.0
 
 
 class Bench:
@@ -109,14 +125,19 @@ class Bench:
         return statistics.median(times), statistics.median(reduce_times)
 
     def settings(self, option: str) -> Any:
-        comm = self.helper.CommSettings
-        return {
-            "fp16": comm(gradient_compression="fp16"),
-            "powersgd": comm(gradient_compression="powersgd", powersgd_start_step=2),
-            "bucket5": comm(bucket_cap_mb=5),
-            "bucket100": comm(bucket_cap_mb=100),
-            "accumulate2": comm(accumulate_steps=2),
-        }.get(option, comm())
+        """The job's options of a row name: "+"-joined fp16, powersgd, bucketN (MB), accumulateN;
+        other words (legacy, ddp, timer) leave the defaults."""
+        fields: dict[str, Any] = {}
+        for word in option.split("+"):
+            if word == "fp16":
+                fields["gradient_compression"] = word
+            elif word == "powersgd":
+                fields.update(gradient_compression=word, powersgd_start_step=2)  # the 2 warm-up steps
+            elif word.startswith("bucket"):
+                fields["bucket_cap_mb"] = float(word.removeprefix("bucket"))
+            elif word.startswith("accumulate"):
+                fields["accumulate_steps"] = int(word.removeprefix("accumulate"))
+        return self.helper.CommSettings(**fields)
 
     def run(self, option: str, nodes: int) -> dict[str, Any] | None:
         """Train warmup + steps steps of option on the first `nodes` ranks; rank 0's row."""
@@ -142,6 +163,7 @@ class Bench:
         for step in range(self.args.warmup + self.args.steps):
             if step == self.args.warmup:
                 dist.barrier(group=group) if nodes > 1 else None
+                throttled_from = throttled_s()
                 timer.sums, timer.window_steps, timer._step_start = [0.0] * 4, 0, None  # warm-up: no step's
             started = time.perf_counter()
             if option == "legacy" and nodes > 1:
@@ -151,11 +173,13 @@ class Bench:
             walls.append(time.perf_counter() - started)
             timer.step_done() if step >= self.args.warmup else None
         times = timer.times
+        throttled = (throttled_s() - throttled_from) / self.args.steps
         del ddp, model, optimizer
         gc.collect()
         if self.rank != 0:
             return None
-        return self.row(option, nodes, settings, walls[self.args.warmup :], times)
+        row = self.row(option, nodes, settings, walls[self.args.warmup :], times)
+        return {**row, "throttled_s": round(throttled, 4)}
 
     def legacy_step(self, model: Any, optimizer: Any, data: Any, timer: Any, group: Any, nodes: int) -> None:
         """The trainer before this change: forward and backward without DDP, then one all-reduce of
