@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/budgetgpu-scaling.json", help="the rows as JSON")
     parser.add_argument("--table", help="print the table of an earlier --out file and exit")
     parser.add_argument("--cpus", type=float, default=0.3, help="CPU quota of each node container")
-    parser.add_argument("--cpu-period-ms", type=float, default=100, help="CFS period of the quota (docker's: 100)")
+    parser.add_argument("--cpu-period-ms", type=float, default=10, help="CFS period of the quota (docker: 100)")
     parser.add_argument("--minutes", type=float, default=10, help="no round starts after this")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per row (after 2 warm-up steps)")
