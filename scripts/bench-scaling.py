@@ -149,6 +149,14 @@ def main() -> int:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_scaling_worker import option_fields
+
+    try:  # a mistyped row fails here, not after the containers have started and calibrated
+        for option in filter(None, f"{args.options4},{args.options2}".split(",")):
+            option_fields(option)
+    except ValueError as err:
+        parser.error(str(err))
     started = time.monotonic()
     try:
         start(args.cpus, args.cpu_period_ms, torch_dir(args.torch_dir))

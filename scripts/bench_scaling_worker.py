@@ -77,6 +77,28 @@ def throttled_s() -> float:
     return 0.0
 
 
+def option_fields(option: str) -> dict[str, Any]:
+    """The job's options (CommSettings' fields) of a row name: "+"-joined fp16, powersgd, bucketN
+    (MB), accumulateN, and legacy, ddp or timer, which leave the defaults. ValueError names a word
+    that is none of these (bench-scaling checks the rows with it before it starts the containers)."""
+    fields: dict[str, Any] = {}
+    for word in option.split("+"):
+        number = word.removeprefix("bucket") if word.startswith("bucket") else word.removeprefix("accumulate")
+        if word == "fp16":
+            fields["gradient_compression"] = word
+        elif word == "powersgd":
+            fields.update(gradient_compression=word, powersgd_start_step=2)  # the 2 warm-up steps
+        elif word.startswith("bucket") and number.replace(".", "", 1).isdigit():
+            fields["bucket_cap_mb"] = float(number)
+        elif word.startswith("accumulate") and number.isdigit() and int(number) > 0:
+            fields["accumulate_steps"] = int(number)
+        elif word not in ("legacy", "ddp", "timer"):
+            raise ValueError(
+                f"row {option!r}: found {word!r}, expected fp16, powersgd, bucketN, accumulateN, legacy, ddp or timer"
+            )
+    return fields
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -125,19 +147,7 @@ class Bench:
         return statistics.median(times), statistics.median(reduce_times)
 
     def settings(self, option: str) -> Any:
-        """The job's options of a row name: "+"-joined fp16, powersgd, bucketN (MB), accumulateN;
-        other words (legacy, ddp, timer) leave the defaults."""
-        fields: dict[str, Any] = {}
-        for word in option.split("+"):
-            if word == "fp16":
-                fields["gradient_compression"] = word
-            elif word == "powersgd":
-                fields.update(gradient_compression=word, powersgd_start_step=2)  # the 2 warm-up steps
-            elif word.startswith("bucket"):
-                fields["bucket_cap_mb"] = float(word.removeprefix("bucket"))
-            elif word.startswith("accumulate"):
-                fields["accumulate_steps"] = int(word.removeprefix("accumulate"))
-        return self.helper.CommSettings(**fields)
+        return self.helper.CommSettings(**option_fields(option))
 
     def run(self, option: str, nodes: int) -> dict[str, Any] | None:
         """Train warmup + steps steps of option on the first `nodes` ranks; rank 0's row."""
