@@ -1,11 +1,12 @@
-"""What the scenarios' tests share: a playbook of the checkout run against the scenario's nodes (pytest loads
-this file for every scenario's tests: the rootdir is the checkout, where pyproject.toml is)."""
+"""What the scenarios' tests share: a playbook of the checkout run against the scenario's nodes, and a node's
+reboot (pytest loads this file for every scenario's tests: the rootdir is the checkout, where pyproject.toml is)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,51 @@ def run_playbook(name: str, *args: str, **env_extra: str) -> subprocess.Complete
 def fixture_playbook():
     """run_playbook, for the tests."""
     return run_playbook
+
+
+# systemd's halt signal. docker stops a container with SIGTERM, which systemd as PID 1 takes as "re-execute
+# yourself": `docker restart` would wait its 10 s and SIGKILL every process, a power cut. A halt stops the units in
+# order as `reboot` does, then systemd exits and the container with it (the engine here, API 1.41, has no
+# `docker restart --signal`).
+HALT = "SIGRTMIN+3"
+
+
+def docker(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def reboot_node(host, timeout: float = 180) -> None:
+    """Reboot a node container: systemd halts it, the container starts again and systemd boots as PID 1 (units
+    wanted by multi-user.target start, the tmpfs /run and /tmp come back empty, timers start over; the kernel and
+    the disk stay). Returns when systemd says running or degraded (a unit that cannot run in a container failed)
+    and the test's `host` answers again; fails naming the node and what it said after `timeout` seconds per
+    phase. testinfra's docker backend runs a `docker exec` per command: no connection to renew."""
+    name = host.backend.get_hostname()
+    halted = docker("kill", "--signal", HALT, name, timeout=60)
+    assert halted.returncode == 0, f"{name}: docker kill --signal {HALT} failed: {halted.stderr.strip()}"
+    try:
+        docker("wait", name, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name}: still running {timeout:.0f} s after systemd was told to halt: a unit does not stop")
+    started = docker("start", name, timeout=60)
+    assert started.returncode == 0, f"{name}: docker start failed: {started.stderr.strip()}"
+    deadline = time.monotonic() + timeout
+    said = ""
+    while time.monotonic() < deadline:
+        # Right after the start systemd may not answer on its bus yet ("Failed to connect to bus").
+        try:
+            done = docker("exec", name, "systemctl", "is-system-running", "--wait", timeout=deadline - time.monotonic())
+        except subprocess.TimeoutExpired:
+            break
+        said = (done.stdout + done.stderr).strip()
+        if done.stdout.strip() in ("running", "degraded"):
+            host.check_output("true")
+            return
+        time.sleep(1)
+    pytest.fail(f"{name}: not booted {timeout:.0f} s after its restart: systemctl is-system-running said {said!r}")
+
+
+@pytest.fixture(name="reboot")
+def fixture_reboot():
+    """reboot_node, for the tests."""
+    return reboot_node
