@@ -3,6 +3,8 @@ reboot (pytest loads this file for every scenario's tests: the rootdir is the ch
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -37,19 +39,32 @@ def fixture_playbook():
 # order as `reboot` does, then systemd exits and the container with it (the engine here, API 1.41, has no
 # `docker restart --signal`).
 HALT = "SIGRTMIN+3"
+# "degraded" still means booted: a unit that cannot run in a container failed.
+BOOTED = ("running", "degraded")
 
 
 def docker(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def reboot_node(host, timeout: float = 180) -> None:
-    """Reboot a node container: systemd halts it, the container starts again and systemd boots as PID 1 (units
-    wanted by multi-user.target start, the tmpfs /run and /tmp come back empty, timers start over; the kernel and
-    the disk stay). Returns when systemd says running or degraded (a unit that cannot run in a container failed)
-    and the test's `host` answers again; fails naming the node and what it said after `timeout` seconds per
-    phase. testinfra's docker backend runs a `docker exec` per command: no connection to renew."""
-    name = host.backend.get_hostname()
+def addresses(name: str) -> dict[str, str]:
+    """The container's address on each of its networks."""
+    shown = docker("inspect", "-f", "{{json .NetworkSettings.Networks}}", name, timeout=60)
+    return {net: about["IPAddress"] for net, about in json.loads(shown.stdout or "{}").items()}
+
+
+def reboot_node(node, timeout: float = 180) -> None:
+    """Reboot a node container (a testinfra host or its name): systemd halts it, the container starts again
+    and systemd boots as PID 1 (units wanted by multi-user.target start, the tmpfs /run and /tmp come back
+    empty, the network namespace and its nftables rules are new, timers start over; the kernel, the disk and
+    the journal stay). Returns when systemd says running or degraded and the node answers again; fails
+    naming the node and what it said after `timeout` seconds per phase. testinfra's docker backend runs a
+    `docker exec` per command: no connection to renew."""
+    name = node if isinstance(node, str) else node.backend.get_hostname()
+    before = addresses(name)
+    # What every reboot empties: proof that this one was one.
+    marked = docker("exec", name, "touch", "/run/budgetgpu-before-reboot", timeout=60)
+    assert marked.returncode == 0, f"{name}: not running before its reboot: {marked.stderr.strip()}"
     halted = docker("kill", "--signal", HALT, name, timeout=60)
     assert halted.returncode == 0, f"{name}: docker kill --signal {HALT} failed: {halted.stderr.strip()}"
     try:
@@ -60,21 +75,24 @@ def reboot_node(host, timeout: float = 180) -> None:
     assert started.returncode == 0, f"{name}: docker start failed: {started.stderr.strip()}"
     deadline = time.monotonic() + timeout
     said = ""
-    while time.monotonic() < deadline:
-        # Right after the start systemd may not answer on its bus yet ("Failed to connect to bus").
-        try:
-            done = docker("exec", name, "systemctl", "is-system-running", "--wait", timeout=deadline - time.monotonic())
-        except subprocess.TimeoutExpired:
-            break
-        said = (done.stdout + done.stderr).strip()
-        if done.stdout.strip() in ("running", "degraded"):
-            host.check_output("true")
-            return
+    while said not in BOOTED and time.monotonic() < deadline:
         time.sleep(1)
-    pytest.fail(f"{name}: not booted {timeout:.0f} s after its restart: systemctl is-system-running said {said!r}")
+        # Right after the start systemd may not answer on its bus yet ("Failed to connect to bus").
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            done = docker("exec", name, "systemctl", "is-system-running", "--wait", timeout=deadline - time.monotonic())
+            said = done.stdout.strip() or done.stderr.strip()
+    if said not in BOOTED:
+        pytest.fail(f"{name}: not booted {timeout:.0f} s after its restart: systemctl is-system-running said {said!r}")
+    assert docker("exec", name, "test", "-e", "/run/budgetgpu-before-reboot", timeout=60).returncode == 1, (
+        f"{name}: /run survived the restart: not a boot"
+    )
+    # A real node keeps its address (static, or a DHCP reservation); Docker hands out the lowest free one.
+    assert addresses(name) == before, f"{name}: came back at {addresses(name)}, was at {before}"
+    if not isinstance(node, str):
+        node.check_output("true")
 
 
 @pytest.fixture(name="reboot")
 def fixture_reboot():
-    """reboot_node, for the tests."""
+    """reboot_node, for the tests: `reboot(host)` or `reboot("node-name")`."""
     return reboot_node
