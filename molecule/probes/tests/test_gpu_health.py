@@ -41,6 +41,13 @@ def journal(host) -> list[str]:
     return host.check_output(f"journalctl -u {UNIT} -o cat --no-pager").splitlines()
 
 
+def passed_this_boot(host) -> str | None:
+    """The result of the watch's last pass since systemd started, None before the first."""
+    shown = host.check_output(f"systemctl show -p ExecMainExitTimestampMonotonic -p Result {UNIT}.service")
+    props = dict(line.split("=", 1) for line in shown.splitlines())
+    return None if props["ExecMainExitTimestampMonotonic"] == "0" else props["Result"]
+
+
 def faults(host, replays: int, **more) -> None:
     fault = {"fans": [{"speed": 0, "target": 80}], "temp": 88, "pcie_replay": replays, "pcie_width_cur": 1, **more}
     write(host, FAULTS, json.dumps({FAULTY: fault}))
@@ -107,6 +114,31 @@ def test_faults_take_gpu_2_out_and_each_change_is_logged_once(host):
     assert len([line for line in lines if "status ok -> take_out" in line]) == 1
     out = state(host)["quarantine"]
     assert set(out) == {LISTED, FAULTY} and out[FAULTY]["by"] == "watch" and out[FAULTY]["since"]
+
+
+def test_a_quarantined_gpu_stays_out_after_a_reboot_and_the_timer_runs_again(host, reboot):
+    """The watch's state lives under /var/lib (StateDirectory=), not /run: GPU 2 stays out after a boot, and
+    so it must, since nobody released it. Its faults are cleared first (the pass after the boot finds
+    nothing), so only the kept state holds it out. The timer starts at boot and its first pass keeps it."""
+    fault_text = host.file(FAULTS).content_string
+    write(host, FAULTS, "{}")
+    try:
+        reboot(host)
+        # Whether or not the timer's first pass of this boot ran yet: a worker's ExecCondition reads the kept state.
+        worker = host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {FAULTY}")
+        assert worker.rc == 1 and f"{FAULTY} quarantined since" in worker.stderr, worker.stderr
+        assert host.service(f"{UNIT}.timer").is_running
+        # OnCalendar each minute: the first pass of this boot (a new systemd knows of no earlier one) within
+        # about a minute, started by the timer alone.
+        deadline = time.monotonic() + 120
+        while passed_this_boot(host) is None and time.monotonic() < deadline:
+            time.sleep(2)
+        assert passed_this_boot(host) == "success", f"no pass within 120 s of the boot: {journal(host)[-5:]}"
+        assert set(state(host)["quarantine"]) == {LISTED, FAULTY}
+        kept = state(host)["quarantine"][FAULTY]
+        assert kept["by"] == "watch" and "fan 0% (target 80%)" in kept["reason"], kept
+    finally:
+        write(host, FAULTS, fault_text)
 
 
 def test_the_next_job_start_leaves_the_quarantined_gpus_out_or_holds_a_fixed_job(host):

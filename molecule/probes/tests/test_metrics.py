@@ -294,3 +294,49 @@ def test_a_dead_fan_reaches_the_webhook_naming_node_and_gpu_then_resolved(host):
     cleared = time.monotonic()
     wait_for(lambda: notified(since, "BudgetgpuGpuFanDead", "resolved", GPUS_3090[0]), lambda got: len(got) >= 1)
     print(f"resolved to webhook: {time.monotonic() - cleared:.0f} s")
+
+
+def booted_before(host, first: str, then: str) -> bool:
+    """Whether unit `first` was active before unit `then` started, in this boot."""
+    shown = [
+        int(host.check_output(f"systemctl show -p {prop} --value {unit}"))
+        for unit, prop in ((first, "ActiveEnterTimestampMonotonic"), (then, "ExecMainStartTimestampMonotonic"))
+    ]
+    return 0 < shown[0] <= shown[1]
+
+
+def test_after_a_reboot_the_tables_are_loaded_before_the_services_and_refuse_as_before(host, reboot):
+    """probes-nvml (Prometheus, Alertmanager, node exporter, a table each) rebooted: the kernel's rules went with
+    the old network namespace (a table of the test's own proves it); budgetgpu's units load the tables at boot,
+    before the services start, and each port refuses whom it refused before; Prometheus scrapes every node
+    again. The last test of the file: probes-h200's webhook receiver (a transient unit) is not affected."""
+    host.check_output("nft add table inet budgetgpu_reboot_probe")
+    since = int(host.check_output("date +%s"))
+    reboot(host)
+    tables = host.check_output("nft list tables").splitlines()
+    assert "table inet budgetgpu_reboot_probe" not in tables, "the rules survived the restart: not a boot"
+    assert {f"table inet budgetgpu_{name}" for name in ("metrics", "prometheus", "alertmanager")} <= set(tables)
+    for name, service in (
+        ("metrics", "prometheus-node-exporter"),
+        ("prometheus", "prometheus"),
+        ("alertmanager", "prometheus-alertmanager"),
+    ):
+        assert booted_before(host, f"budgetgpu-{name}-firewall.service", f"{service}.service"), service
+    # Scraped in this boot (a sample after it, not one Prometheus kept from before).
+    wait_for(
+        lambda: host.run(f"python3 -c {shlex.quote(GET)} {shlex.quote('query?query=up')}").rc == 0, bool, timeout=120
+    )
+    wait_for(
+        lambda: query(host, f'timestamp(up{{job="node",instance=~"probes-.+"}} == 1) > {since}'),
+        lambda got: len(got) == 3,
+        timeout=120,
+    )
+    address = node_addresses(host)["probes-nvml"]
+    # Open to one (so the service listens) and refused to another: the table's doing, not a port still closed.
+    for port, admitted, refused in (
+        (9090, "probes-h200", "probes-3090"),
+        (9093, "probes-nvml", "probes-h200"),
+        (9100, "probes-nvml", "probes-3090"),
+    ):
+        assert RUNNER.get_host(admitted).check_output(connect(address, port)) == "open", (port, admitted)
+        assert RUNNER.get_host(refused).check_output(connect(address, port)) == "refused", (port, refused)
