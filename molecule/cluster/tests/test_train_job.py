@@ -1,6 +1,6 @@
 """The training job across the two nodes, through the rendered units: it runs as budgetgpu with a
 clean unit, learns, checkpoints, survives an unchanged re-run and a changed input without a
-restart, resumes from its last checkpoint after a killed worker and after a stopped node, and
+restart, resumes from its last checkpoint after a killed worker and after a node's reboot, and
 stops cleanly on all nodes. Step counters come from the journal and the checkpoint files.
 
 The tests run in file order; each leaves the job running for the next (the last stops it)."""
@@ -116,6 +116,16 @@ def steps_after_resume(before: dict[str, int]) -> list[int]:
     lines = new_lines(before)
     cut = cut_at_resume(lines)
     return [s[0] for node in NODES for s in steps(lines[node][cut[node] :])]
+
+
+def logged_before_resume(before: dict[str, int]) -> int:
+    """The last step logged before the resume in the journal lines since `before` (or before them)."""
+    lines = new_lines(before)
+    cut = cut_at_resume(lines)
+    return max(
+        [s[0] for node in NODES for s in steps(journal(node)[: before[node]])]
+        + [s[0] for node in NODES for s in steps(lines[node][: cut[node]])]
+    )
 
 
 def wait_for_resume(before: dict[str, int], what: str) -> int:
@@ -331,10 +341,7 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     step_at = wait_for_resume(before, "after the kill")
     lines = new_lines(before)
     cut = cut_at_resume(lines)
-    done_before = max(
-        [s[0] for node in NODES for s in steps(journal(node)[: before[node]])]
-        + [s[0] for node in NODES for s in steps(lines[node][: cut[node]])]
-    )
+    done_before = logged_before_resume(before)
     after = [s[0] for node in NODES for s in steps(lines[node][cut[node] :])]
     print(
         f"kill: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at} "
@@ -348,29 +355,29 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     assert main_pids() == pids
 
 
-def test_a_stopped_and_started_node_rejoins_and_resumes():
+def test_a_rebooted_node_starts_the_job_at_boot_and_it_resumes(reboot):
+    """node2 reboots (its container restarted: systemd stops the job as `systemctl stop` does, then boots as
+    PID 1): nobody starts the job, the enabled unit does at boot, and the job resumes from the checkpoint of
+    the step every rank stopped at, not from 0; the firewall's table is loaded again at boot."""
     before = {node: len(journal(node)) for node in NODES}
-    sh("cluster-node2", f"systemctl stop {UNIT}")
-    assert show("cluster-node2", "ActiveState") == "inactive"
-    assert show("cluster-node2", "Result") == "success"
-    # Every rank stopped at the step node2's ranks agreed on: node1 (not stopped) holds the same one.
-    stopped_at = [int(m[1]) for line in new_lines(before)["cluster-node2"]
-                  if (m := re.match(r"checkpoint step=(\d+) .*\(stop requested\)$", line))]  # fmt: skip
-    if stopped_at:  # none when the stop fell on a periodic checkpoint's step
-        wait_for("node1's checkpoint of the stop step", lambda: stopped_at[-1] in checkpoints("cluster-node1"), 60)
-        assert max(checkpoints("cluster-node1")) == stopped_at[-1] == max(checkpoints("cluster-node2"))
-        peer_stop = f"a peer stopped at step {stopped_at[-1]}"
-        assert any(peer_stop in line for line in new_lines(before)["cluster-node1"])
     saved_before = max(max(checkpoints(node), default=0) for node in NODES)
-    done_before = latest_step()
-    # node1's ranks saw the peer stop and left the round: the restarted node joins the next one.
-    wait_for("node1's ranks to see node2 stop", lambda: any(
-        "a peer stopped at step" in line for line in new_lines(before)["cluster-node1"]), 60)  # fmt: skip
-    sh("cluster-node2", f"systemctl start {UNIT}")
-    step_at = wait_for_resume(before, "after the node came back")
-    print(f"node stop: last checkpoint {saved_before}, last step logged {done_before}, resumed from {step_at}")
+    reboot("cluster-node2")
+    started = time.monotonic()
+    assert show("cluster-node2", "UnitFileState") == "enabled"
+    assert sh("cluster-node2", "nft list table inet budgetgpu", check=False), "the training table is not loaded"
+    step_at = wait_for_resume(before, "after node2's reboot")
+    print(f"reboot: last checkpoint {saved_before}, resumed from {step_at} {time.monotonic() - started:.0f} s after")
+    lines = new_lines(before)
+    # The shutdown stopped the job cleanly, at a step every rank agreed on (none when the stop fell on a
+    # periodic checkpoint's step): node1 holds the same checkpoint, and the job resumed from it.
+    assert any("Deactivated successfully" in line for line in lines["cluster-node2"]), lines["cluster-node2"][-20:]
+    stopped_at = [int(m[1]) for line in lines["cluster-node2"]
+                  if (m := re.match(r"checkpoint step=(\d+) .*\(stop requested\)$", line))]  # fmt: skip
+    if stopped_at:
+        assert any(f"a peer stopped at step {stopped_at[-1]}" in line for line in lines["cluster-node1"])
+        assert stopped_at[-1] in checkpoints("cluster-node1") and step_at == stopped_at[-1]
     assert step_at >= saved_before > 0
-    assert done_before - step_at <= CKPT_EVERY + LOG_EVERY
+    assert logged_before_resume(before) - step_at <= CKPT_EVERY + LOG_EVERY
 
 
 def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit():
