@@ -32,5 +32,6 @@ class FilterModule:
             "inference_context_tokens": as_filter(_inference.inference_context_tokens),
             "inference_max_conns": as_filter(_inference.inference_max_conns),
             "inference_vllm_venvs": as_filter(_inference.inference_vllm_venvs),
+            "inference_vllm_wheelhouses": as_filter(_inference.inference_vllm_wheelhouses),
             "inference_extra_requirements": as_filter(_inference.inference_extra_requirements),
         }

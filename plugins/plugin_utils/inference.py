@@ -37,6 +37,7 @@ from typing import Any
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, job_nproc
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.wheelhouse import wheelhouse_folder, wheels_for
 
 SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 TASKS = ("embeddings", "generation")
@@ -1293,6 +1294,64 @@ def vllm_venv_problems(services: list[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
+def inference_vllm_wheelhouses(
+    services: list[Mapping[str, Any]], hostvars: Mapping[str, Any], hosts: list[str], playbook_dir: str
+) -> dict[str, str]:
+    """Return host -> its wheelhouse's path on the control node, for the nodes of the services of engine vllm
+    (not absent) whose python_env_wheelhouse is set: role inference installs vllm.package there from the
+    wheelhouse alone (pip --no-index). Preflight lists those folders for vllm_wheelhouse_problems."""
+    folders = {}
+    for _venv, service in _vllm_services(services):
+        for host in service_hosts(service, hostvars, hosts):
+            value = _host_vars(hostvars, host).get("python_env_wheelhouse")
+            if isinstance(value, str) and value:
+                folders[host] = wheelhouse_folder(value, playbook_dir)
+    return folders
+
+
+def vllm_wheelhouse_problems(
+    services: list[Mapping[str, Any]],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    wheelhouses: Mapping[str, str] | None,
+    wheels: list[str] | None,
+) -> list[str]:
+    """engine vllm on a node with a wheelhouse: the wheelhouse must hold a wheel of vllm.package, or the
+    install fails on the node after other nodes were changed. wheelhouses: inference_vllm_wheelhouses';
+    wheels: the paths of the *.whl files in those folders on the control node; None: not looked at. One
+    problem per service, package, folder and node Python, naming the nodes and the command that fills it."""
+    if wheelhouses is None:
+        return []
+    names: dict[str, list[str]] = {}
+    for path in wheels or []:
+        folder, _, name = str(path).rpartition("/")
+        names.setdefault(folder, []).append(name)
+    missing: dict[tuple[str, str, str, str], list[str]] = {}
+    for _venv, service in _vllm_services(services):
+        package = service["vllm"]["package"]
+        for host in service_hosts(service, hostvars, hosts):
+            folder = wheelhouses.get(host)
+            if folder and not wheels_for(package, names.get(folder, [])):
+                key = (str(service.get("name")), package, folder, _node_python(hostvars, host))
+                missing.setdefault(key, []).append(host)
+    return [
+        f"{', '.join(nodes)}: service {name}: vllm.package: found no wheel for {package} in python_env_wheelhouse "
+        f"{folder} on the control node, expected one (role inference installs vLLM from the node's wheelhouse "
+        f"alone): run scripts/fill-wheelhouse --vllm '{package}'{f' --python-version {python}' if python else ''} "
+        f'{folder}, or set python_env_wheelhouse to "" for these nodes'
+        for (name, package, folder, python), nodes in missing.items()
+    ]
+
+
+def _node_python(hostvars: Mapping[str, Any], host: str) -> str:
+    """The node's Python as X.Y (preflight gathers it; the vLLM venv is made from it), or "" unknown."""
+    version = _fact(_host_vars(hostvars, host), "python")
+    version = version.get("version") if isinstance(version, Mapping) else None
+    if isinstance(version, Mapping) and _is_int(version.get("major")) and _is_int(version.get("minor")):
+        return f"{version['major']}.{version['minor']}"
+    return ""
+
+
 def llama_server_problems(services: list[Mapping[str, Any]], llama_server: Mapping[str, Any] | None) -> list[str]:
     """engine llamacpp: the role copies llama-server from the control node (inference_llamacpp_server).
     llama_server: {path} and preflight's stat of it there ({exists, isreg, executable}); None: not looked at."""
@@ -1326,6 +1385,8 @@ def inference_check(
     gateway_allow: list[str] | None = None,
     cluster_subnet: str | None = None,
     llama_server: Mapping[str, Any] | None = None,
+    vllm_wheelhouses: Mapping[str, str] | None = None,
+    wheels: list[str] | None = None,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -1340,6 +1401,7 @@ def inference_check(
     api_keys, gateway_allow, cluster_subnet: inference_api_keys, inference_gateway_allow and
     budgetgpu_cluster_subnet, for gateway_problems (an empty allow list, no key, a bad key).
     llama_server: {path, exists, isreg, executable} of inference_llamacpp_server on the control node.
+    vllm_wheelhouses, wheels: the vLLM nodes' wheelhouses and the wheels in them (vllm_wheelhouse_problems).
     """
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
@@ -1360,6 +1422,7 @@ def inference_check(
     problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
     problems += vllm_venv_problems(active)
     problems += llama_server_problems(active, llama_server)
+    problems += vllm_wheelhouse_problems(active, hostvars, hosts, vllm_wheelhouses, wheels)
     problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems
 

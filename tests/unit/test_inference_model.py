@@ -724,6 +724,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_context_tokens",
         "inference_max_conns",
         "inference_vllm_venvs",
+        "inference_vllm_wheelhouses",
         "inference_extra_requirements",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
