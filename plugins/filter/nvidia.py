@@ -1,11 +1,11 @@
-"""Filters of the NVIDIA driver domain; the logic lives in plugins/plugin_utils/driver.py."""
+"""Filters of the NVIDIA driver domain; the logic lives in plugins/plugin_utils/driver.py and kernels.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ansible.errors import AnsibleFilterError  # noqa: F401  re-exported for callers of the old module  # pylint: disable=unused-import
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver, kernels
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (  # noqa: F401  the module's old names  # pylint: disable=unused-import
     BLACKWELL_FIRST_ID,
     DEVICE_ID_RANGES,
@@ -46,4 +46,6 @@ class FilterModule:
             "cuda_major": cuda_major,
             "cuda_package_suffix": cuda_package_suffix,
             "nccl_version_text": nccl_version_tuple_text,
+            "nvidia_kernel_headers": kernels.kernel_headers,
+            "nvidia_kernel_problems": kernels.kernel_module_problems,
         }

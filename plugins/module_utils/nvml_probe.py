@@ -96,14 +96,58 @@ def kernel_module_version(proc_root: str = "/proc") -> str | None:
     return match.group(1) if match else "unknown"
 
 
+# What modprobe finds in modules.dep: upstream's nvidia.ko, or Debian's renamed nvidia-current.ko (its dkms.conf
+# DEST_MODULE_NAME; Debian's modprobe.d maps the name nvidia to it). Compressed modules end in .xz or .zst.
+NVIDIA_MODULE_DEP = re.compile(r"(^|/)nvidia(-current)?\.ko(\.\w+)?:", re.MULTILINE)
+# A file that the kernel's own package ships: a folder without it is what a removed kernel left behind
+# (DKMS's or depmod's files) or a headers package's build link alone.
+KERNEL_PACKAGE_FILE = "modules.builtin"
+_DKMS_LINE = re.compile(
+    r"^(?P<module>[^/,:\s]+)[/,] ?(?P<version>[^,:\s]+)(?:, (?P<kernel>[^,:\s]+), (?P<arch>[^,:\s]+))?: (?P<status>\w+)"
+)
+
+
 def kernel_module_installed(modules_root: str = "/lib/modules", release: str | None = None) -> bool:
     """Return whether an nvidia kernel module is installed for the running (or given) kernel."""
     release = release or os.uname().release
     try:
         with open(os.path.join(modules_root, release, "modules.dep"), encoding="utf-8") as handle:
-            return re.search(r"(^|/)nvidia\.ko(\.\w+)?:", handle.read(), re.MULTILINE) is not None
+            return NVIDIA_MODULE_DEP.search(handle.read()) is not None
     except OSError:
         return False
+
+
+def release_sort_key(release: str) -> list[tuple[int, int, str]]:
+    """Version-sort key of a kernel release (numbers compare as numbers), as GRUB orders its entries."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.findall(r"\d+|\D+", release)]
+
+
+def installed_kernels(modules_root: str = "/lib/modules", running: str | None = None) -> list[dict[str, Any]]:
+    """Return the kernels installed under modules_root, oldest first (the last one is what GRUB boots by default),
+    each as {release, running, nvidia_module}: whether modprobe finds an nvidia module for it."""
+    running = running or os.uname().release
+    try:
+        names = os.listdir(modules_root)
+    except OSError:
+        return []
+    releases = [name for name in names if os.path.isfile(os.path.join(modules_root, name, KERNEL_PACKAGE_FILE))]
+    return [
+        {"release": release, "running": release == running,
+         "nvidia_module": kernel_module_installed(modules_root, release)}
+        for release in sorted(releases, key=release_sort_key)
+    ]  # fmt: skip
+
+
+def parse_dkms_status(text: str) -> list[dict[str, Any]]:
+    """Return `dkms status` lines as {module, version, kernel, arch, status}: kernel and arch are None for a module
+    only registered ("added"). Both dkms 3 (`nvidia-current/535.261.03, 6.1.0-27-amd64, x86_64: installed`) and
+    dkms 2 (`nvidia, 550.120, 5.15.0-122-generic, x86_64: installed`) forms; other lines (warnings) are skipped."""
+    found = []
+    for line in text.splitlines():
+        match = _DKMS_LINE.match(line.strip())
+        if match:
+            found.append(match.groupdict())
+    return found
 
 
 def driver_facts(state: str, reason: str | None, **found: Any) -> dict[str, Any]:

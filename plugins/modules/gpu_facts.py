@@ -156,6 +156,41 @@ ansible_facts:
               type: dict
               returned: always
               sample: {}
+            kernels:
+              description:
+                - The kernels installed on the node (a folder under O(modules_root) with the kernel package's
+                  C(modules.builtin)), oldest first; the last is the one GRUB boots by default.
+                - Read whatever the NVML state; a container has none of its own (it runs its host's kernel).
+              type: list
+              elements: dict
+              returned: always
+              contains:
+                release:
+                  description: The kernel release, as C(uname -r) prints it.
+                  type: str
+                  returned: always
+                  sample: 6.1.0-27-amd64
+                running:
+                  description: Whether it is the running kernel.
+                  type: bool
+                  returned: always
+                  sample: true
+                nvidia_module:
+                  description:
+                    - Whether its C(modules.dep) lists an nvidia module (C(nvidia.ko), or Debian's
+                      C(nvidia-current.ko)), that is whether C(modprobe nvidia) finds one when it runs.
+                  type: bool
+                  returned: always
+                  sample: true
+            dkms:
+              description:
+                - What C(dkms status) lists, one entry a line; null where DKMS is not installed (or C(dkms status)
+                  failed). C(kernel) and C(arch) are null for a module only registered (C(added)).
+              type: list
+              elements: dict
+              returned: always
+              sample: [{module: nvidia-current, version: 535.261.03, kernel: 6.1.0-27-amd64, arch: x86_64,
+                        status: installed}]
             binding:
               description:
                 - The NVML binding that read these facts (the C(pynvml) module, the distribution that
@@ -354,7 +389,12 @@ ansible_facts:
 import traceback
 
 from ansible.module_utils.basic import AnsibleModule, missing_required_lib
-from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import driver_facts, probe_nvml
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import (
+    driver_facts,
+    installed_kernels,
+    parse_dkms_status,
+    probe_nvml,
+)
 
 try:
     import pynvml
@@ -381,6 +421,20 @@ def build_module() -> AnsibleModule:
     )
 
 
+C_LOCALE = {"LANG": "C", "LC_ALL": "C", "LC_MESSAGES": "C"}
+
+
+def kernel_facts(module: AnsibleModule) -> dict:
+    """The installed kernels and what DKMS has registered: read whatever NVML says, so that a check can tell
+    which kernel the next boot has no driver for."""
+    registered = None
+    dkms = module.get_bin_path("dkms")
+    if dkms:
+        rc, out, _err = module.run_command([dkms, "status"], environ_update=C_LOCALE)
+        registered = parse_dkms_status(out) if rc == 0 else None
+    return {"kernels": installed_kernels(module.params["modules_root"]), "dkms": registered}
+
+
 def missing_pynvml_facts(reason: str) -> dict:
     return {"driver": driver_facts("no_pynvml", reason, binding=None), "count": 0, "gpus": []}
 
@@ -394,8 +448,11 @@ def main() -> None:
         hint = PYNVML_HINT.format(python=sys.executable)
         if params["on_missing_pynvml"] == "fail":
             module.fail_json(msg=missing_required_lib("nvidia-ml-py") + " " + hint, exception=PYNVML_IMPORT_ERROR)
-        module.exit_json(changed=False, ansible_facts={"budgetgpu_gpus": missing_pynvml_facts(hint)})
+        facts = missing_pynvml_facts(hint)
+        facts["driver"].update(kernel_facts(module))
+        module.exit_json(changed=False, ansible_facts={"budgetgpu_gpus": facts})
     facts = probe_nvml(pynvml, proc_root=params["proc_root"], modules_root=params["modules_root"])
+    facts["driver"].update(kernel_facts(module))
     module.exit_json(changed=False, ansible_facts={"budgetgpu_gpus": facts})
 
 

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "tests" / "fixtures"
 RELEASES = ["debian-13", "ubuntu-22.04", "ubuntu-24.04"]
 PYTHON = {
+    "debian-12": {"major": 3, "minor": 11, "micro": 2},
     "debian-13": {"major": 3, "minor": 13, "micro": 5},
     "ubuntu-22.04": {"major": 3, "minor": 10, "micro": 12},
     "ubuntu-24.04": {"major": 3, "minor": 12, "micro": 3},
@@ -341,3 +342,52 @@ def test_python_env_refuses_a_wheelhouse_without_torch_for_the_nodes_python(tmp_
         f"node7: python_env_wheelhouse {wheelhouse} has no wheel for torch==2.13.0+cpu on Python 3.13"
         " (/usr/bin/python3 on the node): torch-2.13.0+cpu-cp313-*.whl" in output
     ), output
+
+
+# The headers metapackage each release's archive has for a kernel of it (tests/fixtures/<release>/kernels.txt:
+# Debian's captured from the archive's linux-image-* names, Ubuntu's written). Debian 12's 6.12 kernels have a
+# series of their own; Ubuntu's newer series are HWE kernels.
+HEADERS_EXPECTED = {
+    "debian-12": {
+        "6.1.0-57-amd64": "linux-headers-amd64",
+        "6.1.0-57-rt-amd64": "linux-headers-rt-amd64",
+        "6.12.118+deb12-cloud-amd64": "linux-headers-6.12-cloud-amd64",
+    },
+    "debian-13": {
+        "6.12.117+deb13-amd64": "linux-headers-amd64",
+        "6.12.117+deb13-cloud-amd64": "linux-headers-cloud-amd64",
+    },
+    "ubuntu-22.04": {
+        "5.15.0-122-generic": "linux-headers-generic",
+        "6.5.0-45-generic": "linux-headers-generic-hwe-22.04",
+        "6.8.0-49-lowlatency": "linux-headers-lowlatency-hwe-22.04",
+        "6.8.0-1015-aws": "linux-headers-aws",
+    },
+    "ubuntu-24.04": {
+        "6.8.0-45-generic": "linux-headers-generic",
+        "6.14.0-29-generic": "linux-headers-generic-hwe-24.04",
+        "6.8.0-45-generic-64k": "linux-headers-generic-64k",
+    },
+}
+
+
+def test_headers_metapackage_of_each_releases_kernels_is_in_its_archive(tmp_path):
+    # One host per kernel flavour and series of each release (the newest of the listing), run as the role runs.
+    cases = {}
+    for release in HEADERS_EXPECTED:
+        newest = {}
+        for kernel in (FIXTURES / release / "kernels.txt").read_text().split():
+            newest[re.sub(r"^(\d+\.\d+)\.\d+(-\d+|\+deb\d+)", r"\1", kernel)] = kernel
+        for kernel in newest.values():
+            cases[f"{release}_{kernel}"] = (release, {"test_facts": {**setup_facts(release), "kernel": kernel}})
+    decided = run_preflights(tmp_path, "nvidia_driver", cases, "_nvidia_driver_headers")
+    for host, (release, variables) in cases.items():
+        kernel = variables["test_facts"]["kernel"]
+        headers = decided[host]
+        assert headers["note"] is None, host
+        assert headers["packages"][0] == f"linux-headers-{kernel}", host
+        metapackage = headers["packages"][1]
+        assert HEADERS_EXPECTED[release].get(kernel, metapackage) == metapackage, host
+        assert apt_policy(release).get(metapackage, {}).get("candidate"), f"{host}: {metapackage} is not in the archive"
+    checked = {variables["test_facts"]["kernel"] for _release, variables in cases.values()}
+    assert {kernel for expected in HEADERS_EXPECTED.values() for kernel in expected} <= checked
