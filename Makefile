@@ -78,10 +78,11 @@ test: prerequisites ## Set up the machine, then lint, unit tests and every molec
 	  echo "::: make $$stage: $$(( $$(date +%s) - start )) s"; \
 	done
 
-lint: venv ## ansible-lint (production), ruff, yamllint, ansible-doc on every module, ansible-test sanity
+lint: venv ## ansible-lint (production), ruff, yamllint, node code on Python 3.10 (vermin), ansible-doc on every module, ansible-test sanity
 	$(BIN)/yamllint -s .
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tests/check_node_python.py
 	@scripts/check-docs
 	@# ansible-lint and ansible-test sanity (the checks Galaxy holds collections to, on a copy of
 	@# the tree, offline: CONTRIBUTING.md, "ansible-test") use one core each: both at once, 90 s
