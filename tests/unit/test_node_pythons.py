@@ -29,6 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import gpu_health, pcie
@@ -87,13 +88,13 @@ def interpreter(version: str) -> str | None:
     pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
     builds = sorted(
         pyenv.glob(f"{version}.*/bin/python{version}"),
-        key=lambda path: int(re.sub(r"\D.*", "", path.parts[-3].split(".")[2]) or 0),
+        key=lambda path: [int(number) for number in re.findall(r"\d+", path.parts[-3])],
         reverse=True,
     )
     return next((str(path) for path in [Path(f"/usr/bin/python{version}"), *builds] if os.access(path, os.X_OK)), None)
 
 
-def missing(why: str) -> None:
+def missing(why: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{why} (CI is set: the CI machines must have it)")
     pytest.skip(why)
@@ -109,7 +110,8 @@ def node_wheels(tmp_path_factory) -> Path:
     wheelhouse = REPO / ".cache" / "wheelhouse"
     if wheelhouse.is_dir():
         pip += ["--find-links", str(wheelhouse)]
-    done = subprocess.run([*pip, "--target", str(target), "-r", str(PINS)], capture_output=True, text=True, check=False)
+    argv = [*pip, "--target", str(target), "-r", str(PINS)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
         missing(f"pip could not install the node venv's pins ({PINS.relative_to(REPO)}): {tail[0]}")
@@ -128,7 +130,7 @@ class Node:
     def python(self) -> str:
         return str(self.venv / "bin" / "python3")
 
-    def run(self, *argv: str | Path, profile: str | None = None, env: dict | None = None, **kwargs):
+    def run(self, *argv: str | Path, profile: str | None = None, env: dict | None = None):
         """The node venv's python on argv: -I as the units run it; with a gpu_sim profile, -s and the drop-in
         pynvml ahead of nvidia-ml-py on PYTHONPATH (the simulated node's NVML), its state in this test's folder."""
         environment = {"PATH": os.environ["PATH"], **(env or {})}
@@ -139,7 +141,7 @@ class Node:
             environment.setdefault("BUDGETGPU_SIM_STATE", str(self.home / "sim-state.json"))
             environment.setdefault("BUDGETGPU_SIM_FAULTS", str(self.home / "no-faults.json"))
         argv = [self.python, *flags, *map(str, argv)]
-        return subprocess.run(argv, capture_output=True, text=True, env=environment, timeout=120, **kwargs)
+        return subprocess.run(argv, capture_output=True, text=True, env=environment, timeout=120, check=False)
 
     def ok(self, *argv: str | Path, **kwargs) -> str:
         done = self.run(*argv, **kwargs)
