@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "roles" / "inference" / "files" / "inference_worker.py"
 TINY_LM = ROOT / "tests" / "fixtures" / "tiny_lm.py"
+SPLIT_PROBE = Path(__file__).with_name("inference_split_probe.py")
 WORKER_ID = "node1-0"
 
 
@@ -389,15 +390,40 @@ def test_quantisation_without_cuda_is_refused(w, tiny_lm_dir):
     w.check_device(config, cuda=True)
 
 
-def test_a_worker_of_several_gpus_splits_the_model_and_needs_accelerate(w, tiny_lm_dir, monkeypatch):
+def test_a_worker_of_one_gpu_loads_whole_and_of_several_needs_accelerate(w, tiny_lm_dir, monkeypatch):
     config = _config(w, tiny_lm_dir, "generation")
     assert w.placement(config, 0) == {} and w.placement(config, 1) == {}
     assert w.placement(_config(w, tiny_lm_dir, "generation", quantization="4bit"), 1) == {"device_map": {"": 0}}
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
     with pytest.raises(w.ConfigError, match="gives this worker 2 GPUs and the venv has no accelerate"):
         w.placement(config, 2)
-    monkeypatch.setitem(sys.modules, "accelerate", type(sys)("accelerate"))
-    assert w.placement(config, 4) == {"device_map": "auto"}
+
+
+def test_a_worker_of_several_gpus_splits_the_model_and_needs_accelerate(tmp_path, tiny_lm_dir):
+    # accelerate as the role installs it for such a service: requirements-split.txt from the wheelhouse.
+    pins = [line.split("#")[0].strip() for line in (SCRIPT.parent / "requirements-split.txt").read_text().splitlines()]
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--find-links",
+         str(ROOT / ".cache" / "wheelhouse"), "--target", str(site), *filter(None, pins)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    # Two simulated RTX 3090s with 20 GiB free each; the tiny GPT-2's config at 8 layers (its 2 layers of
+    # 64 are smaller than its embedding: accelerate keeps them together).
+    raw = {"name": "tiny", "model_dir": str(tiny_lm_dir), "task": "generation", "dtype": "float16"}
+    free = ",".join([str(20 * 1024**3)] * 2)
+    argv = [sys.executable, str(SPLIT_PROBE), str(SCRIPT), json.dumps(raw), free, "8"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["placement"] == {"device_map": "auto"}
+    device_map = found["device_map"]
+    # The whole model on the two GPUs (nothing offloaded to the CPU or disk), each GPU holding layers,
+    # in layer order: the first blocks on GPU 0, the rest on GPU 1.
+    assert set(device_map.values()) == {0, 1}, device_map
+    blocks = [device_map[f"transformer.h.{i}"] for i in range(8)]
+    assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] == 1, device_map
 
 
 def _run_worker(*argv: str) -> subprocess.CompletedProcess:
