@@ -85,19 +85,43 @@ def test_real_memory_lies_below_what_slurmd_detects() -> None:
     assert detected - 512 >= configured >= detected * 0.9
 
 
-def test_a_job_that_asks_for_two_gpus_sees_exactly_two() -> None:
-    result = srun("-w slurm-node1 --gres=gpu:2", "echo $CUDA_VISIBLE_DEVICES")
+# Opens each GPU device node from inside a job step. With no driver behind them, a node the device
+# cgroup allows answers ENXIO; one it denies, EPERM. Also what Slurm says it granted: the GPUs' gres.conf
+# indices (File=/dev/nvidiaN in order on these nodes) and CUDA_VISIBLE_DEVICES.
+OPEN_GPUS = """
+import errno, glob, json, os
+answers = {}
+for path in sorted(glob.glob("/dev/nvidia[0-9]*")):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        answers[path] = "opened"
+    except OSError as err:
+        answers[path] = errno.errorcode[err.errno]
+granted = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS", "")
+print(json.dumps({"open": answers, "granted": granted, "visible": os.environ.get("CUDA_VISIBLE_DEVICES", "")}))
+"""
+
+
+def open_gpus(args: str) -> dict:
+    result = srun(args, f"python3 -c {shlex.quote(OPEN_GPUS)}")
     assert result.rc == 0, result.stderr
-    assert len(result.stdout.strip().split(",")) == 2
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_job_that_asks_for_two_gpus_can_open_exactly_those_two() -> None:
+    found = open_gpus("-w slurm-node1 --gres=gpu:2")
+    granted = sorted(f"/dev/nvidia{index}" for index in found["granted"].split(","))
+    allowed = sorted(path for path, answer in found["open"].items() if answer == "ENXIO")
+    assert len(granted) == 2 and allowed == granted, found
+    # node1's other two GPUs are there and refused by the job's device cgroup.
+    assert sorted(found["open"].values()) == ["ENXIO", "ENXIO", "EPERM", "EPERM"], found
+    assert len(found["visible"].split(",")) == 2, found
 
 
 def test_the_device_cgroup_lets_a_job_open_only_its_gpus() -> None:
-    # With no driver behind them, an allowed device node answers ENXIO; a denied one EPERM.
-    probe = "for d in /dev/nvidia[0-9]*; do echo $d $(head -c1 $d 2>&1 | sed 's/.*: //'); done"
-    result = srun("-w slurm-node1 --gres=gpu:rtx3090:1", probe)
-    assert result.rc == 0, result.stderr
-    answers = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
-    assert sorted(answers.values()) == ["No such device or address"] + ["Operation not permitted"] * 3
+    found = open_gpus("-w slurm-node1 --gres=gpu:rtx3090:1")
+    assert sorted(found["open"].values()) == ["ENXIO"] + ["EPERM"] * 3, found
+    assert [path for path, answer in found["open"].items() if answer == "ENXIO"] == [f"/dev/nvidia{found['granted']}"]
 
 
 def test_the_cpuset_cgroup_confines_a_job_to_its_cores() -> None:
