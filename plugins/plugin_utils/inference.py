@@ -1338,7 +1338,7 @@ def vllm_wheelhouse_problems(
         f"{', '.join(nodes)}: service {name}: vllm.package: found no wheel for {package} in python_env_wheelhouse "
         f"{folder} on the control node, expected one (role inference installs vLLM from the node's wheelhouse "
         f"alone): run scripts/fill-wheelhouse --vllm '{package}'{f' --python-version {python}' if python else ''} "
-        f'{folder}, or set python_env_wheelhouse to "" for these nodes'
+        f'{shlex.quote(folder)}, or set python_env_wheelhouse to "" for these nodes'
         for (name, package, folder, python), nodes in missing.items()
     ]
 

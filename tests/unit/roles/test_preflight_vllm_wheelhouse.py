@@ -9,6 +9,7 @@ import ast
 import sys
 from pathlib import Path
 
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import vllm_wheelhouse_problems
 from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_preflight_inference import (
     GATEWAY,
     gpu_node,
@@ -89,3 +90,26 @@ def test_only_the_vllm_nodes_with_a_wheelhouse_are_checked_and_a_relative_one_li
         "on the control node"
     ), found
     assert f"run scripts/fill-wheelhouse --vllm 'vllm' --python-version {PYTHON} {tmp_path}/wheels," in found[1]
+
+
+def test_the_check_itself_leaves_out_absent_services_and_quotes_the_folder_for_the_shell():
+    def chat(state: str = "started", engine: str = "vllm") -> dict:
+        return {
+            "name": "chat",
+            "engine": engine,
+            "state": state,
+            "nodes": ["n1"],
+            "vllm": {"package": "vllm==0.11.0", "venv": "/opt/v"},
+        }
+
+    folders = {"n1": "/srv/my wheels"}
+    wheels = ["/srv/my wheels/vllm-0.10.2-cp38-abi3-manylinux1_x86_64.whl", "/srv/other/vllm-0.11.0-py3-none-any.whl"]
+    # The node's Python unknown (no facts): the command leaves --python-version to its default.
+    assert vllm_wheelhouse_problems([chat()], {}, ["n1"], folders, wheels) == [
+        "n1: service chat: vllm.package: found no wheel for vllm==0.11.0 in python_env_wheelhouse /srv/my wheels on "
+        "the control node, expected one (role inference installs vLLM from the node's wheelhouse alone): run "
+        "scripts/fill-wheelhouse --vllm 'vllm==0.11.0' '/srv/my wheels', or set python_env_wheelhouse to \"\" for "
+        "these nodes"
+    ]
+    assert vllm_wheelhouse_problems([chat("absent"), chat(engine="builtin")], {}, ["n1"], folders, wheels) == []
+    assert vllm_wheelhouse_problems([chat()], {}, ["n1"], None, None) == []
