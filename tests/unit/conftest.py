@@ -7,6 +7,8 @@ file as part of the collection's package, so only package imports work under bot
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +19,103 @@ from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_f
 from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 REPO = Path(__file__).resolve().parents[2]
+
+# Where a role run on the machine itself would leave something (roles/*/tasks, defaults, vars): the unit
+# tests run roles on a local connection, as root, so each must write only under its tmp_path (or run in a
+# check mode that writes nothing). A test that changed one of these made the next run pass or fail with
+# what it left behind (issue 39: /opt/budgetgpu/node decided which refusal a python_env test saw).
+MACHINE_PATHS = (
+    "/opt/budgetgpu",
+    "/etc/budgetgpu",
+    "/var/lib/budgetgpu*",
+    "/var/cache/budgetgpu",
+    "/var/log/budgetgpu",
+    "/usr/local/lib/budgetgpu*",
+    "/usr/local/bin",
+    "/etc/systemd/system",
+    "/etc/ansible",
+    "/etc/apt/sources.list.d",
+    "/etc/apt/preferences.d",
+    "/etc/apt/keyrings",
+    "/etc/docker",
+    "/etc/profile.d",
+    "/etc/modprobe.d",
+    "/etc/modules-load.d",
+    "/etc/cron.d",
+    "/etc/slurm",
+    "/etc/prometheus",
+)
+DPKG_STATUS = Path("/var/lib/dpkg/status")
+
+
+def machine_files() -> dict[str, tuple[int, ...]]:
+    """Every file, folder and link under MACHINE_PATHS: (mode, owner, size, mtime) of files and links,
+    (mode, owner) of folders (their entries are listed themselves)."""
+    found = {}
+    for top in sorted(path for pattern in MACHINE_PATHS for path in glob.glob(pattern)):
+        for folder, folders, files in os.walk(top):
+            for path in [folder] + [os.path.join(folder, name) for name in folders + files]:
+                with contextlib.suppress(FileNotFoundError):
+                    info = os.lstat(path)
+                    is_folder = os.path.isdir(path) and not os.path.islink(path)
+                    found[path] = (
+                        (info.st_mode, info.st_uid)
+                        if is_folder
+                        else (info.st_mode, info.st_uid, info.st_size, info.st_mtime_ns)
+                    )
+    return found
+
+
+_dpkg_cache: dict[tuple[int, int], frozenset[str]] = {}
+
+
+def installed_packages() -> frozenset[str]:
+    """name=version of every package dpkg lists as installed (read again only when its status file changed)."""
+    if not DPKG_STATUS.exists():
+        return frozenset()
+    info = DPKG_STATUS.stat()
+    key = (info.st_mtime_ns, info.st_size)
+    if key not in _dpkg_cache:
+        packages = set()
+        for stanza in DPKG_STATUS.read_text(errors="replace").split("\n\n"):
+            fields = dict(line.split(": ", 1) for line in stanza.splitlines() if ": " in line and line[0] != " ")
+            if fields.get("Status") == "install ok installed":
+                packages.add(f"{fields.get('Package')}={fields.get('Version')}")
+        _dpkg_cache.clear()
+        _dpkg_cache[key] = frozenset(packages)
+    return _dpkg_cache[key]
+
+
+def machine_changes(before: tuple[dict, frozenset], after: tuple[dict, frozenset]) -> list[str]:
+    """What changed between two (machine_files(), installed_packages()) snapshots, one line a change."""
+    (files_before, packages_before), (files_after, packages_after) = before, after
+    return (
+        [f"created {path}" for path in sorted(files_after.keys() - files_before.keys())]
+        + [f"removed {path}" for path in sorted(files_before.keys() - files_after.keys())]
+        + [
+            f"changed {path}"
+            for path in sorted(files_before.keys() & files_after.keys())
+            if files_before[path] != files_after[path]
+        ]
+        + [f"installed package {name}" for name in sorted(packages_after - packages_before)]
+        + [f"removed package {name}" for name in sorted(packages_before - packages_after)]
+    )
+
+
+@pytest.fixture(autouse=True)
+def _machine_unchanged(request):
+    """Fail a test that changed the machine it runs on (MACHINE_PATHS, dpkg's installed packages)."""
+    before = (machine_files(), installed_packages())
+    yield
+    changes = machine_changes(before, (machine_files(), installed_packages()))
+    if changes:
+        pytest.fail(
+            f"{request.node.nodeid} changed the machine outside its temporary folders (or, under pytest -n, a "
+            f"test of another worker did, or someone else on this machine): {'; '.join(changes[:20])}"
+            f"{f' and {len(changes) - 20} more' if len(changes) > 20 else ''}: run the role on a root under "
+            "tmp_path or in check mode",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 # runs on a copy that already lies at <root>/ansible_collections/budgetgpu/cluster.
 COLLECTIONS = REPO.parents[2] if REPO.parents[1].name == "ansible_collections" else REPO / ".collections"
 
+# Role node_venv counts as done in this run (its own once-a-run flag): the roles that depend on it
+# (torchrun, python_env, gpu_health, gpu_power, slurm) and every include of torchrun's `jobs` entry point
+# (role run_inputs, hence preflight and nccl_network) would otherwise install python3-packaging and
+# /opt/budgetgpu/node on this machine, and the next test would see what the last one left. A test of
+# node_venv itself gives node_venv_ready false and runs in check mode.
+NO_NODE_VENV_INSTALL = {"node_venv_ready": True}
+
 
 def run_playbook(
     tmp_path: Path,
@@ -30,10 +37,12 @@ def run_playbook(
     timeout: int = 120,
 ) -> subprocess.CompletedProcess[str]:
     """ansible-playbook PLAYBOOK on `host` (or on an inventory file's local hosts) with extra_vars;
-    options such as --check, --tags X, --limit X; env adds to the environment (a stdout callback)."""
+    options such as --check, --tags X, --limit X; env adds to the environment (a stdout callback).
+
+    The host is this machine: a play writes only under tmp_path, or runs in check mode."""
     path = tmp_path / "play.yml"
     path.write_text(playbook)
-    variables = {"ansible_python_interpreter": sys.executable, **extra_vars}
+    variables = {"ansible_python_interpreter": sys.executable, **NO_NODE_VENV_INSTALL, **extra_vars}
     # Not PYTHONPATH: under ansible-test units, module tests get one that holds only ansible's
     # module_utils, and ansible-playbook is the controller, which needs all of ansible.
     env = {
@@ -43,6 +52,8 @@ def run_playbook(
         "ANSIBLE_CACHE_PLUGIN": "memory",
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+        # The "remote" is this machine: the modules' temporary files too stay under tmp_path (not ~/.ansible).
+        "ANSIBLE_REMOTE_TEMP": str(tmp_path / "remote-tmp"),
         **(env or {}),
     }
     return subprocess.run(

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import AFTER_PREFLIGHT
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import AFTER_PREFLIGHT, NO_NODE_VENV_INSTALL
 
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = (
@@ -75,6 +75,7 @@ def playbook(tmp_path: Path, jobs: list[dict], nodes: dict[str, dict], **group_v
                 "ansible_python_interpreter": sys.executable,
                 "torchrun_jobs": jobs,
                 "marker_dir": str(marker_dir),
+                **NO_NODE_VENV_INSTALL,
                 **group_vars,
             },
             "children": {"gpu_nodes": {"hosts": nodes}},

@@ -2,6 +2,9 @@
 
 Each case runs the role with ansible-playbook on a fake host (local connection, check
 mode) and stops at the first failure: no node, no Docker, a second or two each.
+Check mode writes nothing on this machine; what the role reads of it (a node venv at
+node_venv_path) is pointed at a path that never exists: a fresh node, whatever earlier runs
+left here.
 """
 
 from __future__ import annotations
@@ -37,8 +40,33 @@ PLAYBOOK = """\
 """
 
 
+# Not under tmp_path: node_venv refuses a venv below a folder every user may write (/tmp).
+NO_NODE_VENV = "/nonexistent/budgetgpu-unit-test/node"
+# node_venv's pins (nvidia-ml-py==13.615.71) as the wheels fill-wheelhouse brings for them.
+NODE_VENV_WHEELS = [
+    f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    for name, version in (
+        line.split("==")
+        for line in (REPO / "roles/node_venv/files/requirements.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+]
+
+
 def run_role(tmp_path: Path, extra_vars: dict, tags: str = "all") -> subprocess.CompletedProcess[str]:
-    return run_playbook(tmp_path, PLAYBOOK, extra_vars, options=("--check", "--tags", tags))
+    # node_venv runs too (in check mode): its refusals come first on a node without the node venv.
+    variables = {"node_venv_ready": False, "node_venv_path": NO_NODE_VENV, **extra_vars}
+    return run_playbook(tmp_path, PLAYBOOK, variables, options=("--check", "--tags", tags))
+
+
+def wheelhouse_of(tmp_path: Path, *wheels: str) -> Path:
+    """A control node's wheelhouse with node_venv's pinned wheels (python_env's dependency checks it for
+    them first) and `wheels`, all empty files."""
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    for name in NODE_VENV_WHEELS + list(wheels):
+        (wheelhouse / name).write_bytes(b"")
+    return wheelhouse
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], *expected: str) -> None:
@@ -68,13 +96,23 @@ def test_missing_wheelhouse(tmp_path):
 
 
 def test_wheelhouse_without_the_torch_build(tmp_path):
-    wheelhouse = tmp_path / "wheels"
-    wheelhouse.mkdir()
-    (wheelhouse / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    wheelhouse = wheelhouse_of(tmp_path, "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
     assert_refused(
         run_role(tmp_path, {"python_env_wheelhouse": str(wheelhouse), "python_env_torch_variant": "cu128"}),
         "node7: python_env_wheelhouse",
         "has no wheel for torch==2.13.0+cu128",
+    )
+
+
+def test_wheelhouse_without_the_node_venvs_pins_is_refused_by_node_venv_first(tmp_path):
+    # On a node without the node venv: node_venv needs its own pins from the same wheelhouse.
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    (wheelhouse / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert_refused(
+        run_role(tmp_path, {"python_env_wheelhouse": str(wheelhouse), "python_env_torch_variant": "cpu"}),
+        f"node7: node_venv_wheelhouse {wheelhouse} holds no wheel of the pins nvidia-ml-py==",
+        "run scripts/fill-wheelhouse",
     )
 
 
@@ -93,8 +131,10 @@ def test_root_owner(tmp_path):
 
 def test_every_problem_is_named_in_one_run(tmp_path):
     # One check lists them all: a tired person fixes the inventory once, not once per run.
+    # node_venv, which runs first, would refuse the missing wheelhouse alone: it is told to use the index.
+    variables = {"python_env_owner": "root", "python_env_wheelhouse": str(tmp_path / "no-such-dir")}
     assert_refused(
-        run_role(tmp_path, {"python_env_owner": "root", "python_env_wheelhouse": str(tmp_path / "no-such-dir")}),
+        run_role(tmp_path, {**variables, "node_venv_wheelhouse": ""}),
         "node7: python_env_owner is 'root'",
         "node7: python_env_wheelhouse",
         "is not a directory on the control node",
@@ -110,9 +150,7 @@ def test_wrong_type(tmp_path):
 
 
 def test_good_input_passes_the_preflight(tmp_path):
-    wheelhouse = tmp_path / "wheels"
-    wheelhouse.mkdir()
-    (wheelhouse / "torch-2.13.0+cu130-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    wheelhouse = wheelhouse_of(tmp_path, "torch-2.13.0+cu130-cp311-cp311-manylinux_2_28_x86_64.whl")
     gpus = {"count": 1, "driver": {"loaded": True, "cuda_driver_version": "13.0"}}
     result = run_role(
         tmp_path,

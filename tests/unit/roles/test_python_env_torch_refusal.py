@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import NO_NODE_VENV_INSTALL
+
 REPO = Path(__file__).resolve().parents[3]
 PLAYBOOK = """
 - name: Preflight python_env and cuda on fake probe facts
@@ -66,7 +68,12 @@ def playbook(
     node = {"fake_gpus": gpus, "python_env_owner": "nobody", "python_env_wheelhouse": str(wheelhouse), **host_vars}
     inventory = {
         "all": {
-            "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
+            "vars": {
+                "ansible_connection": "local",
+                "ansible_python_interpreter": sys.executable,
+                # python_env's entry points run its dependency node_venv, which would install on this machine.
+                **NO_NODE_VENV_INSTALL,
+            },
             "children": {"gpu_nodes": {"hosts": {"fake1": node}}},
         }
     }
