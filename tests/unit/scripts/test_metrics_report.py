@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import NO_NODE_VENV_INSTALL
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "playbooks" / "files" / "metrics_report.py"
@@ -231,9 +232,17 @@ def _playbook(tmp_path: Path, inventory: str, *extra: str) -> subprocess.Complet
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_CACHE_PLUGIN": "memory",
         "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+        "ANSIBLE_REMOTE_TEMP": str(tmp_path / "remote-tmp"),
     }
     argv = [str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(tmp_path / "hosts.yml")]
-    argv += ["-e", json.dumps({"ansible_python_interpreter": sys.executable, "budgetgpu_state_dir": str(tmp_path)})]
+    # The playbook includes role prometheus' api_url.yml, and with it prometheus' dependencies (run_inputs,
+    # torchrun's jobs, node_venv), which would install the node venv on this machine.
+    variables = {
+        "ansible_python_interpreter": sys.executable,
+        "budgetgpu_state_dir": str(tmp_path),
+        **NO_NODE_VENV_INSTALL,
+    }
+    argv += ["-e", json.dumps(variables)]
     argv += [*extra, str(REPO / "playbooks" / "report.yml")]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False, cwd=tmp_path)
 
