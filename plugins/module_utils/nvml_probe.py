@@ -124,7 +124,8 @@ def release_sort_key(release: str) -> list[tuple[int, int, str]]:
 
 def installed_kernels(modules_root: str = "/lib/modules", running: str | None = None) -> list[dict[str, Any]]:
     """Return the kernels installed under modules_root, oldest first (the last one is what GRUB boots by default),
-    each as {release, running, nvidia_module}: whether modprobe finds an nvidia module for it."""
+    each as {release, running, nvidia_module, headers}: whether modprobe finds an nvidia module for it, and whether
+    its headers are installed (the build link the headers package makes, which DKMS builds against)."""
     running = running or os.uname().release
     try:
         names = os.listdir(modules_root)
@@ -133,7 +134,8 @@ def installed_kernels(modules_root: str = "/lib/modules", running: str | None = 
     releases = [name for name in names if os.path.isfile(os.path.join(modules_root, name, KERNEL_PACKAGE_FILE))]
     return [
         {"release": release, "running": release == running,
-         "nvidia_module": kernel_module_installed(modules_root, release)}
+         "nvidia_module": kernel_module_installed(modules_root, release),
+         "headers": os.path.isdir(os.path.join(modules_root, release, "build", "include"))}
         for release in sorted(releases, key=release_sort_key)
     ]  # fmt: skip
 

@@ -182,6 +182,11 @@ ansible_facts:
                   type: bool
                   returned: always
                   sample: true
+                headers:
+                  description: Whether its headers are installed (its C(build/include)), which DKMS builds against.
+                  type: bool
+                  returned: always
+                  sample: true
             dkms:
               description:
                 - What C(dkms status) lists, one entry a line; null where DKMS is not installed (or C(dkms status)

@@ -89,10 +89,11 @@ def kernel_module_problems(driver: Mapping[str, Any] | None, host: str) -> list[
             continue
         release = kernel["release"]
         boot = "the next boot has no driver" if position == len(kernels) else "booting it has no driver"
-        fix = (
-            f"install linux-headers-{release} and run `dkms autoinstall -k {release}`; `dkms status` says what DKMS did"
-            if registered
-            else f"install the driver's kernel module package for {release}"
-        )
+        if not registered:
+            fix = f"install the driver's kernel module package for {release}"
+        elif kernel.get("headers"):
+            fix = f"its headers are there but DKMS built nothing: `dkms autoinstall -k {release}` says why"
+        else:
+            fix = f"install linux-headers-{release} and run `dkms autoinstall -k {release}`"
         problems.append(f"{host}: kernel {release} installed, no nvidia module built for it: {boot} ({fix})")
     return problems

@@ -26,21 +26,23 @@ def test_installed_kernels_oldest_first_with_their_modules(tmp_path):
     # Debian's DKMS module is nvidia-current.ko, compressed or not; upstream's nvidia.ko.
     kernel(tmp_path, "6.1.0-27-amd64", "updates/dkms/nvidia-current.ko: \nupdates/dkms/nvidia-current-uvm.ko: x\n")
     kernel(tmp_path, "6.1.0-10-cloud-amd64", "kernel/drivers/video/nvidia.ko.zst:\n")
+    (tmp_path / "usr-src" / "linux-headers-6.1.0-27-amd64" / "include").mkdir(parents=True)
+    (tmp_path / "6.1.0-27-amd64" / "build").symlink_to(tmp_path / "usr-src" / "linux-headers-6.1.0-27-amd64")
     # What a removed kernel leaves (DKMS's updates folder) and a headers package alone (the build link).
     kernel(tmp_path, "6.1.0-8-amd64", "updates/dkms/nvidia-current.ko:\n", package=False)
     kernel(tmp_path, "6.1.0-50-amd64", package=False, build_link=True)
     found = nvml_probe.installed_kernels(str(tmp_path), running="6.1.0-27-amd64")
     assert found == [
-        {"release": "6.1.0-9-amd64", "running": False, "nvidia_module": False},
-        {"release": "6.1.0-10-cloud-amd64", "running": False, "nvidia_module": True},
-        {"release": "6.1.0-27-amd64", "running": True, "nvidia_module": True},
+        {"release": "6.1.0-9-amd64", "running": False, "nvidia_module": False, "headers": False},
+        {"release": "6.1.0-10-cloud-amd64", "running": False, "nvidia_module": True, "headers": False},
+        {"release": "6.1.0-27-amd64", "running": True, "nvidia_module": True, "headers": True},
     ]
 
 
 def test_a_kernel_without_modules_dep_has_no_module_modprobe_could_load(tmp_path):
     kernel(tmp_path, "6.12.48+deb13-amd64")
     assert nvml_probe.installed_kernels(str(tmp_path), running="x") == [
-        {"release": "6.12.48+deb13-amd64", "running": False, "nvidia_module": False}
+        {"release": "6.12.48+deb13-amd64", "running": False, "nvidia_module": False, "headers": False}
     ]
     assert nvml_probe.installed_kernels(str(tmp_path / "absent"), running="x") == []
 

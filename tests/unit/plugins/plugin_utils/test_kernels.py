@@ -68,17 +68,28 @@ def test_a_custom_kernel_gets_its_own_headers_and_a_note():
 REGISTERED = [{"module": "nvidia-current", "version": "535.261.03", "kernel": None, "arch": None, "status": "added"}]
 
 
-def kernels(*entries: tuple[str, bool]) -> list[dict]:
-    return [{"release": release, "running": False, "nvidia_module": built} for release, built in entries]
+def kernels(*entries: tuple[str, bool], headers: bool = False) -> list[dict]:
+    return [
+        {"release": release, "running": False, "nvidia_module": built, "headers": headers} for release, built in entries
+    ]
 
 
 def test_the_newest_kernel_without_a_module_is_the_next_boot_without_a_driver():
     driver = {"kernels": kernels(("6.1.0-27-amd64", True), ("6.1.0-28-amd64", False)), "dkms": REGISTERED}
     assert kernel_module_problems(driver, "node1") == [
         "node1: kernel 6.1.0-28-amd64 installed, no nvidia module built for it: the next boot has no driver"
-        " (install linux-headers-6.1.0-28-amd64 and run `dkms autoinstall -k 6.1.0-28-amd64`;"
-        " `dkms status` says what DKMS did)"
+        " (install linux-headers-6.1.0-28-amd64 and run `dkms autoinstall -k 6.1.0-28-amd64`)"
     ]
+
+
+def test_a_kernel_with_headers_but_no_module_is_dkms_not_building_it():
+    # Debian's rt kernels: NVIDIA's dkms.conf excludes PREEMPT_RT, so DKMS skips them although their headers are there.
+    driver = {"kernels": kernels(("6.1.0-50-rt-amd64", False), headers=True), "dkms": REGISTERED}
+    (problem,) = kernel_module_problems(driver, "node1")
+    assert problem.endswith(
+        "the next boot has no driver (its headers are there but DKMS built nothing: "
+        "`dkms autoinstall -k 6.1.0-50-rt-amd64` says why)"
+    )
 
 
 def test_an_older_kernel_without_a_module_is_named_without_claiming_the_next_boot():
