@@ -324,12 +324,13 @@ def test_after_a_reboot_the_tables_are_loaded_before_the_services_and_refuse_as_
         assert booted_before(host, f"budgetgpu-{name}-firewall.service", f"{service}.service"), service
     # An early unit ordered into a cycle is one systemd drops from the boot, with this line.
     assert "ordering cycle" not in host.check_output(f"journalctl --since=@{since} -o cat --no-pager")
-    # Scraped in this boot (a sample after it, not one Prometheus kept from before).
+    # Scraped in this boot: a sample after it, not one Prometheus kept from before.
+    booted = int(host.check_output("date +%s"))
     wait_for(
         lambda: host.run(f"python3 -c {shlex.quote(GET)} {shlex.quote('query?query=up')}").rc == 0, bool, timeout=120
     )
     wait_for(
-        lambda: query(host, f'timestamp(up{{job="node",instance=~"probes-.+"}} == 1) > {since}'),
+        lambda: query(host, f'timestamp(up{{job="node",instance=~"probes-.+"}} == 1) > {booted}'),
         lambda got: len(got) == 3,
         timeout=120,
     )
