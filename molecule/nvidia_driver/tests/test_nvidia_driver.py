@@ -111,9 +111,10 @@ def test_the_kernel_without_a_module_is_named(host, playbook):
 def test_nvidia_uvm_loads_at_boot(host):
     entry = host.file("/etc/modules-load.d/budgetgpu-nvidia-uvm.conf").content_string
     assert [line for line in entry.splitlines() if line and not line.startswith("#")] == ["nvidia-uvm"]
-    # Debian names the module nvidia-current-uvm: its modprobe configuration maps the name nvidia-uvm to it.
+    # Debian names the module nvidia-current-uvm: its modprobe configuration maps the name nvidia-uvm to it
+    # (modprobe prints module names with underscores).
     config = host.check_output("modprobe --showconfig")
-    assert re.search(r"^install nvidia-uvm .*nvidia-current-uvm", config, re.M), config
+    assert re.search(r"^install nvidia_uvm .*modprobe -i nvidia-current-uvm", config, re.M), config
 
 
 def test_device_unit_runs_before_every_service(host):
