@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import time
 
 import testinfra.utils.ansible_runner
 
@@ -156,27 +154,9 @@ def test_facts_installed_not_loaded_reboot_pending(host):
     assert facts["reboot_pending"] is True
 
 
-# Last: it restarts the node.
-def _boot(host) -> None:
-    """A boot of the node: systemd halts on SIGRTMIN+3, the container stops, and starts with systemd as PID 1
-    again (a local helper: molecule/conftest.py has no shared one yet)."""
-    name = host.backend.host
-    subprocess.run(["docker", "kill", "--signal", "SIGRTMIN+3", name], check=True, capture_output=True)
-    subprocess.run(["docker", "wait", name], check=True, capture_output=True, timeout=120)
-    subprocess.run(["docker", "start", name], check=True, capture_output=True)
-    for _ in range(60):
-        state = subprocess.run(["docker", "exec", name, "systemctl", "is-system-running", "--wait"],
-                               capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
-        if state in ("running", "degraded"):
-            return
-        time.sleep(2)
-    raise AssertionError(f"{name}: systemd did not finish booting after the restart ({state})")
-
-
-def test_after_a_boot_the_device_unit_ran_and_the_boot_went_on(host, playbook):
-    host.check_output("touch /run/budgetgpu-before-boot")
-    _boot(host)
-    assert not host.file("/run/budgetgpu-before-boot").exists  # a fresh /run: this is another boot
+# Last: it reboots the node.
+def test_after_a_boot_the_device_unit_ran_and_the_boot_went_on(host, playbook, reboot):
+    reboot(host)  # molecule/conftest.py: systemd halts, the container starts again, a fresh /run proves the boot
     shown = dict(
         line.split("=", 1)
         for line in host.check_output(
