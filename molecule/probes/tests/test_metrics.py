@@ -334,7 +334,8 @@ def test_after_a_reboot_the_tables_are_loaded_before_the_services_and_refuse_as_
         lambda got: len(got) == 3,
         timeout=120,
     )
-    address = node_addresses(host)["probes-nvml"]
+    # Prometheus' API answers a few seconds before it lists its targets again.
+    address = wait_for(lambda: node_addresses(host), lambda got: "probes-nvml" in got)["probes-nvml"]
     # Open to one (so the service listens) and refused to another: the table's doing, not a port still closed.
     for port, admitted, refused in (
         (9090, "probes-h200", "probes-3090"),
