@@ -28,6 +28,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import posixpath
 import re
 import shlex
 import string
@@ -1324,7 +1325,7 @@ def vllm_wheelhouse_problems(
         return []
     names: dict[str, list[str]] = {}
     for path in wheels or []:
-        folder, _, name = str(path).rpartition("/")
+        folder, name = posixpath.split(str(path))
         names.setdefault(folder, []).append(name)
     missing: dict[tuple[str, str, str, str], list[str]] = {}
     for _venv, service in _vllm_services(services):

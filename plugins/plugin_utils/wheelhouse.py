@@ -11,9 +11,6 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable
 
-from packaging.requirements import Requirement
-from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
-
 
 def wheelhouse_folder(value: str, playbook_dir: str) -> str:
     """Return the wheelhouse's path on the control node: python_env_wheelhouse as python_env reads it, a
@@ -25,6 +22,12 @@ def wheels_for(requirement: str, names: Iterable[str]) -> list[str]:
     """Return the wheel file names among names whose project and version satisfy requirement (``vllm``,
     ``vllm==0.11.0``). Python and platform tags and the wheel's own dependencies are not looked at:
     scripts/fill-wheelhouse downloads the dependencies with the package, for the Python it is given."""
+    # Imported here, not at the top: ansible-core needs packaging at run time, but ansible-test's import
+    # sanity test loads every plugin in an environment of jinja2 and PyYAML alone, and every filter that
+    # imports plugin_utils.inference would fail it.
+    from packaging.requirements import Requirement
+    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
     wanted = Requirement(requirement)
     project = canonicalize_name(wanted.name)
     found = []

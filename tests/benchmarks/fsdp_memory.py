@@ -111,7 +111,7 @@ def measure(preset: str, variant: str, batch: int, seq: int, steps: int, device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--cases", default="gpt2-124m,gpt2-355m,gpt2-1.5b", help="presets: " + ", ".join(PRESETS))
     parser.add_argument("--variants", default=",".join(VARIANTS), help="of: " + ", ".join(VARIANTS))
     parser.add_argument("--batch", type=int, default=4)
