@@ -49,6 +49,14 @@ STATES = ("started", "stopped", "absent")
 # equal). bf16 needs NCCL: torch's bf16 hook refuses gloo.
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 NCCL_ONLY_COMPRESSIONS = ("bf16",)
+# How the model is spread (JOB_DEFAULTS' parallelism), its compute precision and the dtype of what a rank keeps
+# (budgetgpu_node.sharding reads the same values from the unit's environment; a unit test holds them equal).
+PARALLELISMS = ("ddp", "fsdp", "hsdp")
+SHARDED = ("fsdp", "hsdp")
+PRECISIONS = ("none", "bf16", "fp16")
+STATE_PRECISIONS = ("fp32", "bf16")
+# bfloat16 needs Ampere (compute capability 8.0) and NCCL.
+BF16_MIN_CAPABILITY = (8, 0)
 UNIT_PREFIX = "budgetgpu-job-"
 
 # The built-in default of every optional key: the one place job defaults live (the torchrun role's
@@ -82,6 +90,21 @@ JOB_DEFAULTS: dict[str, Any] = {
     "powersgd_start_step": 1000,
     "bucket_cap_mb": 25,
     "accumulate_steps": 1,
+    # How the model is spread over the ranks: ddp (every rank holds all of it), fsdp (FSDP2: parameters,
+    # gradients and optimizer states sharded over every rank of the job), hsdp (sharded within a node,
+    # replicated across nodes: the shards' traffic stays on the node's own links).
+    "parallelism": "ddp",
+    # The compute precision of forward and backward (fsdp/hsdp: MixedPrecisionPolicy's param_dtype; ddp:
+    # autocast); gradients are reduced in fp32. bf16 needs compute capability 8.0 (Ampere) and NCCL.
+    "mixed_precision": "none",
+    # The dtype of the weights, gradients and optimizer states a rank keeps: fp32 (16 bytes a parameter
+    # under AdamW), bf16 (8: the model itself in bf16).
+    "state_precision": "fp32",
+    # Recompute each block's activations in backward instead of keeping them (about a third more time a step).
+    "activation_checkpointing": False,
+    # What preflight's training memory planner needs of the model (plugin_utils/training_memory.py): {} plans
+    # nothing.
+    "model": {},
     "environment": {},
     "user": "budgetgpu",
     "backend": "auto",
@@ -92,6 +115,10 @@ JOB_DEFAULTS: dict[str, Any] = {
 JOB_KEYS = frozenset(JOB_DEFAULTS) | {"name"}
 # How a job trains, read by its script from the environment (training_environment).
 TRAINING_SETTINGS = (
+    "parallelism",
+    "mixed_precision",
+    "state_precision",
+    "activation_checkpointing",
     "checkpoint_every_minutes",
     "checkpoint_every_steps",
     "straggler_every_steps",

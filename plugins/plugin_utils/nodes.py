@@ -46,6 +46,8 @@ def node_info(hostvars: Mapping[str, Any], host: str) -> dict[str, Any]:
         "gpu_count": gpu_count,
         "gpu_uuids": [g.get("uuid") for g in (gpus or {}).get("gpus") or [] if g.get("uuid")] if loaded else [],
         "gpu_models": [m for m in models if m],
+        # NVML's view of each GPU (name, uuid, memory, compute capability) where the driver answers.
+        "gpus": list((gpus or {}).get("gpus") or []) if loaded else [],
         "driver_state": driver.get("state"),
         "driver_version": driver.get("version"),
         "pcie": pcie,

@@ -29,14 +29,20 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import expectation_findings
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import parse_compute_capability
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     BACKENDS,
+    BF16_MIN_CAPABILITY,
     COMPRESSIONS,
     ENV_NAME,
     JOB_KEYS,
     JOB_NAME,
     NCCL_ONLY_COMPRESSIONS,
+    PARALLELISMS,
+    PRECISIONS,
     RENDEZVOUS,
+    SHARDED,
+    STATE_PRECISIONS,
     STATES,
     USER_NAME,
     job_backend,
@@ -190,6 +196,28 @@ def _bad_comm(job: Mapping[str, Any]) -> Iterator[Bad]:
         yield "bucket_cap_mb", bucket, "megabytes, more than 0 (DDP's default is 25)", ""
 
 
+def _bad_sharding(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """How the model is spread and its precisions, each alone and together."""
+    parallelism, precision, states = job.get("parallelism"), job.get("mixed_precision"), job.get("state_precision")
+    for field, value, choices in (
+        ("parallelism", parallelism, PARALLELISMS),
+        ("mixed_precision", precision, PRECISIONS),
+        ("state_precision", states, STATE_PRECISIONS),
+    ):
+        if value not in choices:
+            yield field, value, f"one of {', '.join(choices)}", ""
+    if not isinstance(job.get("activation_checkpointing"), bool):
+        yield "activation_checkpointing", job.get("activation_checkpointing"), "true or false", ""
+    if parallelism in SHARDED and job.get("gradient_compression") not in ("none", None):
+        hint = "FSDP reduce-scatters its gradients itself; set gradient_compression: none, or parallelism: ddp"
+        yield "gradient_compression", job.get("gradient_compression"), f"none under parallelism {parallelism}", hint
+    if parallelism in SHARDED and precision == "fp16":
+        hint = "fp16 needs a loss scaler the sharded path does not run: bf16 (Ampere or newer), or parallelism ddp"
+        yield "mixed_precision", precision, f"none or bf16 under parallelism {parallelism}", hint
+    if states == "bf16" and precision == "fp16":
+        yield "mixed_precision", precision, "none or bf16 with state_precision bf16", "the model itself is bf16"
+
+
 def _bad_environment(env: Any) -> Iterator[Bad]:
     if not isinstance(env, Mapping):
         yield "environment", env, "a dict of variable names to values", ""
@@ -207,6 +235,7 @@ def training_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
     yield from _bad_entry_point(job)
     yield from _bad_cadence(job)
     yield from _bad_comm(job)
+    yield from _bad_sharding(job)
     yield from _bad_environment(job.get("environment"))
 
 
@@ -414,6 +443,40 @@ def compression_backend_problems(job: Mapping[str, Any], probed: list[str], node
     ]
 
 
+def sharding_problems(
+    job: Mapping[str, Any], hosts: list[str], probed: list[str], nodes: Mapping[str, Any]
+) -> list[Problem]:
+    """A sharded job with nothing to shard over, and bf16 where a GPU or the backend cannot run it."""
+    name, parallelism, problems = job["name"], job.get("parallelism"), []
+    if parallelism == "hsdp" and len(hosts) < 2:
+        hint = "hsdp replicates across nodes: use fsdp on one node"
+        problems.append(
+            _problem(_where(hosts), name, "parallelism", f"hsdp on {len(hosts)} node", "2 nodes or more", hint)
+        )
+    ranks = [job_nproc(job, nodes[host]) for host in probed]
+    if parallelism == "fsdp" and len(probed) == len(hosts) and None not in ranks and sum(ranks) < 2:
+        hint = "fsdp over one rank shards nothing: use ddp, or more GPUs"
+        problems.append(
+            _problem(_where(hosts), name, "parallelism", f"fsdp on {sum(ranks)} rank", "2 ranks or more", hint)
+        )
+    wants_bf16 = "bf16" in (job.get("mixed_precision"), job.get("state_precision"))
+    for host in probed if wants_bf16 else []:
+        if (backend := job_backend(job, nodes[host])) != "nccl":
+            hint = "bf16 training needs CUDA GPUs and NCCL: mixed_precision none (or fp16 under ddp)"
+            problems.append(_problem(host, name, "mixed_precision", f"bf16 on backend {backend}", "backend nccl", hint))
+            continue
+        too_old: dict[tuple[str, str], list[str]] = {}
+        for index, gpu in enumerate(nodes[host].get("gpus") or []):
+            capability = parse_compute_capability(gpu.get("compute_capability"))
+            if capability is not None and capability < BF16_MIN_CAPABILITY:
+                too_old.setdefault((str(gpu.get("name")), "{}.{}".format(*capability)), []).append(str(index))
+        for (model, capability), indexes in too_old.items():
+            found = f"bf16 on GPU {', '.join(indexes)} ({model}, compute capability {capability})"
+            hint = "bf16 needs Ampere (8.0) or newer: mixed_precision fp16 under ddp, or none; state_precision fp32"
+            problems.append(_problem(host, name, "mixed_precision", found, "compute capability 8.0 or more", hint))
+    return problems
+
+
 def _check_job_nodes(
     job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any], options: Mapping[str, Any]
 ) -> tuple[list[Problem], list[Problem]]:
@@ -424,7 +487,7 @@ def _check_job_nodes(
     process_problems, process_warnings = _check_processes(job, probed, nodes, options)
     problems += process_problems + _check_ranks(job, groups, nodes) + _check_script(job, probed, nodes, options)
     problems += _check_gpu_models(job, probed, nodes, master) + _check_software(job, hosts, probed, nodes, master)
-    problems += compression_backend_problems(job, probed, nodes)
+    problems += compression_backend_problems(job, probed, nodes) + sharding_problems(job, hosts, probed, nodes)
     return problems, warnings + process_warnings
 
 

@@ -609,3 +609,82 @@ def test_bf16_on_gloo_is_refused_naming_the_job_and_each_node():
 def test_bad_communication_settings_fail_with_the_field(field, value):
     result = check(jobs({field: value}))
     assert fields(result) == {("node1,node2", field)}, result["problems"]
+
+
+# --- how the model is spread (issue 42 item 1) ----------------------------------------------------
+
+
+def gpus_with_capability(capability: str, model: str) -> dict[str, Any]:
+    fact = gpus_fact(2, model)
+    for gpu in fact["gpus"]:
+        gpu["compute_capability"] = capability
+    return fact
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("parallelism", "zero3"), ("parallelism", None), ("mixed_precision", "fp8"), ("mixed_precision", True),
+     ("state_precision", "fp16"), ("activation_checkpointing", "yes")],
+)  # fmt: skip
+def test_unknown_sharding_values_fail_naming_the_field(field, value):
+    result = check(jobs({field: value}))
+    assert fields(result) == {("node1,node2", field)}, result["problems"]
+    assert result["problems"][0]["job"] == "pretrain"
+
+
+def test_fsdp_and_hsdp_with_bf16_on_ampere_pass():
+    ampere = {"facts": {"budgetgpu_gpus": gpus_with_capability("8.6", "NVIDIA GeForce RTX 3090")}}
+    nodes = make_nodes(node1=ampere, node2=ampere)
+    for parallelism in ("fsdp", "hsdp"):
+        job = jobs({"parallelism": parallelism, "mixed_precision": "bf16", "activation_checkpointing": True})
+        assert check(job, nodes)["problems"] == [], parallelism
+    assert check(jobs({"state_precision": "bf16", "mixed_precision": "bf16"}), nodes)["problems"] == []
+
+
+def test_bf16_on_a_2080_ti_is_refused_naming_job_node_and_gpu():
+    turing = {"facts": {"budgetgpu_gpus": gpus_with_capability("7.5", "NVIDIA GeForce RTX 2080 Ti")}}
+    nodes = make_nodes(node1=turing, node2=turing)
+    for key in ("mixed_precision", "state_precision"):
+        result = check(jobs({key: "bf16"}), nodes)
+        assert fields(result) == {("node1", "mixed_precision"), ("node2", "mixed_precision")}, result["problems"]
+        problem = result["problems"][1]
+        assert problem["job"] == "pretrain" and problem["host"] == "node2"
+        assert problem["found"] == "bf16 on GPU 0, 1 (NVIDIA GeForce RTX 2080 Ti, compute capability 7.5)"
+        assert problem["expected"] == "compute capability 8.0 or more" and "fp16 under ddp" in problem["hint"]
+    # fp16 under ddp is the 2080 Ti's way.
+    assert check(jobs({"mixed_precision": "fp16"}), nodes)["problems"] == []
+
+
+def test_bf16_training_on_gloo_is_refused_on_each_node():
+    simulated = make_nodes(node1={"budgetgpu_simulated": True}, node2={"budgetgpu_simulated": True})
+    result = check(jobs({"parallelism": "fsdp", "mixed_precision": "bf16"}), simulated)
+    assert fields(result) == {("node1", "mixed_precision"), ("node2", "mixed_precision")}
+    assert result["problems"][0]["found"] == "bf16 on backend gloo"
+    # fsdp itself trains on gloo (the simulated cluster's sharded jobs).
+    assert check(jobs({"parallelism": "fsdp"}), simulated)["problems"] == []
+
+
+def test_sharding_over_nothing_is_refused():
+    one_gpu = {"facts": {"budgetgpu_gpus": gpus_fact(1)}}
+    single = {"all": ["node1"], "solo": ["node1"]}
+    nodes = make_nodes(node1=one_gpu)
+    result = cluster_check(nodes, jobs({"parallelism": "fsdp", "nodes": "solo"}), single, {})
+    assert fields(result) == {("node1", "parallelism")}
+    assert result["problems"][0]["found"] == "fsdp on 1 rank" and "use ddp" in result["problems"][0]["hint"]
+    result = cluster_check(nodes, jobs({"parallelism": "hsdp", "nodes": "solo"}), single, {})
+    assert fields(result) == {("node1", "parallelism")}
+    assert result["problems"][0]["found"] == "hsdp on 1 node" and "fsdp on one node" in result["problems"][0]["hint"]
+    # Two GPUs of one node shard fine.
+    two_gpus = make_nodes(node1={"facts": {"budgetgpu_gpus": gpus_fact(2)}})
+    assert cluster_check(two_gpus, jobs({"parallelism": "fsdp", "nodes": "solo"}), single, {})["problems"] == []
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [({"parallelism": "fsdp", "gradient_compression": "powersgd"}, "gradient_compression"),
+     ({"parallelism": "hsdp", "mixed_precision": "fp16"}, "mixed_precision"),
+     ({"state_precision": "bf16", "mixed_precision": "fp16"}, "mixed_precision")],
+)  # fmt: skip
+def test_combinations_that_cannot_run_are_refused(over, field):
+    result = check(jobs(over))
+    assert fields(result) == {("node1,node2", field)}, result["problems"]
