@@ -31,6 +31,8 @@ class FilterModule:
             "inference_body_limits": as_filter(_inference.inference_body_limits),
             "inference_context_tokens": as_filter(_inference.inference_context_tokens),
             "inference_max_conns": as_filter(_inference.inference_max_conns),
+            "inference_gateway_routes": as_filter(_inference.inference_gateway_routes),
+            "inference_user_problems": as_filter(_inference.inference_user_problems),
             "inference_vllm_venvs": as_filter(_inference.inference_vllm_venvs),
             "inference_vllm_wheelhouses": as_filter(_inference.inference_vllm_wheelhouses),
             "inference_extra_requirements": as_filter(_inference.inference_extra_requirements),

@@ -74,6 +74,18 @@ VLLM_PACKAGE = re.compile(r"^vllm(==[0-9][0-9A-Za-z.+!-]*)?$")
 # (-np, the service's concurrency) and the tokens its KV cache holds over all slots (-c).
 LLAMACPP_MAX_SLOTS = 256
 LLAMACPP_MAX_CONTEXT = 1_048_576
+# The workers' own system user, which the role creates; the accounts of the system and of the other
+# services the project runs, which a worker must never run as (it would read their keys and data: munge's
+# key, Slurm's state, Prometheus' TSDB, NGINX's API key maps through www-data). Role inference refuses
+# any other existing account below the node's UID_MIN on the node itself (tasks/install.yml).
+INFERENCE_USER = "budgetgpu-infer"
+RESERVED_USERS = frozenset(
+    {
+        "root", "daemon", "bin", "sys", "sync", "games", "man", "lp", "mail", "news", "uucp", "proxy", "www-data",
+        "backup", "list", "irc", "gnats", "nobody", "_apt", "messagebus", "sshd", "systemd-network",
+        "systemd-resolve", "systemd-timesync", "systemd-coredump", "munge", "slurm", "prometheus", "nginx",
+    }
+)  # fmt: skip
 # The service keys that are mappings of their own, merged key by key (defaults, then the service's).
 NESTED_KEYS = ("gateway", "vllm")
 
@@ -111,6 +123,8 @@ SERVICE_DEFAULTS: dict[str, Any] = {
         "keys": None,
         "rate_per_s": 100,
         "conns_per_client": 128,
+        # Requests at a time per API key; None: half of what the service's workers admit together.
+        "conns_per_key": None,
     },
     # engine vllm only. max_model_len: the tokens of one sequence (None: max_input_tokens +
     # max_new_tokens); venv: vLLM's own, filled with `package` from the nodes' wheelhouse.
@@ -123,7 +137,7 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     },
     "state": "started",
     # A user of the workers' own, not the training user: a job cannot signal or trace them.
-    "user": "budgetgpu-infer",
+    "user": INFERENCE_USER,
     "venv": "/opt/budgetgpu/venv",
 }
 SERVICE_KEYS = frozenset(SERVICE_DEFAULTS) | {"name"}
@@ -223,7 +237,8 @@ def inference_service_normalize(
     merged["batch_window_ms"] = _as_float(merged.get("batch_window_ms"))
     if isinstance(merged.get("gateway"), Mapping):
         gateway = merged["gateway"]
-        merged["gateway"] = {**gateway, **{k: _as_int(gateway.get(k)) for k in ("port", *GATEWAY_INT_FIELDS)}}
+        ints = ("port", "conns_per_key", *GATEWAY_INT_FIELDS)
+        merged["gateway"] = {**gateway, **{k: _as_int(gateway.get(k)) for k in ints}}
     if isinstance(merged.get("vllm"), Mapping):
         vllm = merged["vllm"]
         merged["vllm"] = {
@@ -320,6 +335,12 @@ def _bad_gateway(gateway: Any) -> list[str]:
         value = gateway.get(key)
         if not _is_int(value) or value < low:
             bad.append(f"gateway.{key}: found {value!r}, expected a whole number of {low} or more")
+    per_key = gateway.get("conns_per_key")
+    if per_key is not None and (not _is_int(per_key) or per_key < 1):
+        bad.append(
+            f"gateway.conns_per_key: found {per_key!r}, expected a whole number of 1 or more, or none (half of "
+            "what the service's workers admit)"
+        )
     listen = gateway.get("listen")
     if listen is not None and not _is_address(listen):
         bad.append(f"gateway.listen: found {listen!r}, expected an IP address of the gateway's host")
@@ -461,24 +482,71 @@ def llamacpp_context(service: Mapping[str, Any]) -> int:
     return (values[0] + values[1]) * values[2]
 
 
-def _bad_runtime(service: Mapping[str, Any]) -> list[str]:
+def _bad_user(user: Any, training_users: Any = ()) -> list[str]:
+    """The workers' user: a valid name, never root, a training user or another service's account."""
+    expected = f"expected a user of the workers' own (default {INFERENCE_USER}, which the role creates)"
+    if not isinstance(user, str) or not USER_NAME.fullmatch(user):
+        return [f"user: found {user!r}, {expected}"]
+    if user in {str(u) for u in training_users or () if u}:
+        return [
+            f"user: found {user}, the training user (budgetgpu_user, torchrun_user or a job's user), {expected}: "
+            "a job running as it could signal, trace or replace the workers"
+        ]
+    if user in RESERVED_USERS:
+        return [f"user: found {user}, an account of the system or of another service, {expected}"]
+    return []
+
+
+# The passwd comment of the workers' users the role creates: an existing account below UID_MIN that
+# carries it is the role's own (inference_user_problems).
+USER_COMMENT = "budgetgpu inference worker"
+
+
+def inference_user_problems(
+    services: list[Mapping[str, Any]], accounts: Mapping[str, Any], uid_min: int, host: str
+) -> list[str]:
+    """Return why the workers of a node may not run as their services' users: an account that exists
+    on the node below its UID_MIN (the system's and other services' accounts: munge, slurm, www-data,
+    _apt...) that the role did not create (passwd comment USER_COMMENT; the default user of releases
+    that set no comment counts as the role's), or root. accounts: {user: {uid, gecos} or None (absent:
+    the role creates it)}, as the role's look at the node found them."""
+    problems = []
+    for service in services:
+        if service.get("state") == "absent":
+            continue
+        user = service.get("user")
+        found = accounts.get(user) if isinstance(accounts, Mapping) else None
+        if not isinstance(found, Mapping):
+            continue
+        uid, gecos = found.get("uid"), str(found.get("gecos") or "")
+        ours = gecos == USER_COMMENT or (user == INFERENCE_USER and gecos == "")
+        if uid == 0 or (_is_int(uid) and uid < int(uid_min) and not ours):
+            problems.append(
+                f"{host}: service {service.get('name')}: user: found {user}, an existing account of uid {uid} "
+                f"(below UID_MIN {uid_min}: the system's or another service's) that role inference did not create, "
+                f"expected a user of the workers' own: set the service's user (or inference_user) to a name that "
+                f"does not exist yet (default {INFERENCE_USER}), which the role creates"
+            )
+    return problems
+
+
+def _bad_runtime(service: Mapping[str, Any], training_users: Any = ()) -> list[str]:
     bad = []
     nodes = service.get("nodes")
     if not (isinstance(nodes, str) and nodes) and not (
         isinstance(nodes, list) and nodes and all(isinstance(h, str) for h in nodes)
     ):
         bad.append(f"nodes: found {nodes!r}, expected an inventory group or a list of hosts")
-    user = service.get("user")
-    if not isinstance(user, str) or not USER_NAME.fullmatch(user) or user == "root":
-        bad.append(f"user: found {user!r}, expected an unprivileged system user (never root)")
+    bad += _bad_user(service.get("user"), training_users)
     venv = service.get("venv")
     if not isinstance(venv, str) or not venv.startswith("/"):
         bad.append(f"venv: found {venv!r}, expected an absolute path")
     return bad
 
 
-def service_problems(service: Mapping[str, Any]) -> list[str]:
-    """Return what is wrong with the fields of one normalised service, each "field: found, expected"."""
+def service_problems(service: Mapping[str, Any], training_users: Any = ()) -> list[str]:
+    """Return what is wrong with the fields of one normalised service, each "field: found, expected"
+    (training_users: the users training jobs run as, which the workers must not)."""
     return [
         *_bad_identity(service),
         *_bad_numbers(service),
@@ -487,7 +555,7 @@ def service_problems(service: Mapping[str, Any]) -> list[str]:
         *_bad_engine(service),
         *_bad_vllm(service),
         *_bad_llamacpp(service),
-        *_bad_runtime(service),
+        *_bad_runtime(service, training_users),
     ]
 
 
@@ -498,9 +566,11 @@ def inference_services_normalize(
     venv: str | None = None,
     model_root: str | None = None,
     config_dir: str | None = None,
+    training_users: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Return every service of inference_services with every key present (see
-    inference_service_normalize), or raise ValueError listing every bad field of every service."""
+    inference_service_normalize), or raise ValueError listing every bad field of every service.
+    training_users: budgetgpu_user and the users of the training jobs, refused as a service's user."""
     if services is None:
         return []
     if not isinstance(services, list):
@@ -520,7 +590,7 @@ def inference_services_normalize(
             problems.append(f"inference_services[{index}]: found {service!r}, expected a mapping (a service)")
             continue
         item = inference_service_normalize(service, defaults, user, venv, model_root, config_dir)
-        problems += [f"{_label(index, service)}: {bad}" for bad in service_problems(item)]
+        problems += [f"{_label(index, service)}: {bad}" for bad in service_problems(item, training_users)]
         name = item.get("name")
         if isinstance(name, str) and name in seen:
             problems.append(f"{_label(index, service)}: name: found {name!r}, expected a name no other service has")
@@ -904,6 +974,37 @@ def inference_max_conns(service: Mapping[str, Any]) -> int:
     """Return how many requests the gateway sends one worker at a time: what the worker runs and
     queues. Past that, the gateway sheds (503 with Retry-After) instead of queueing in NGINX."""
     return int(service.get("concurrency") or 1) + int(service.get("queue") or 0)
+
+
+# What the gateway passes to a service's workers, whatever the engine: the OpenAI paths of its task
+# (every engine serves these; llama.cpp's and vLLM's own paths such as /slots, /props, /tokenize,
+# /v1/stream, /v1/messages, /v1/responses, /pause never pass) and /health; and of the client's
+# headers only Content-Type (the JSON body). NGINX sets Host, Content-Length and X-Request-Id itself;
+# Authorization (the gateway's key) and everything else, X-Conversation-Id (which makes llama-server
+# go on generating after the client left) included, stay at the gateway.
+GATEWAY_PATHS = {
+    "embeddings": ("/v1/models", "/v1/embeddings"),
+    "generation": ("/v1/models", "/v1/completions", "/v1/chat/completions"),
+}
+GATEWAY_CLIENT_HEADERS = ("Content-Type",)
+
+
+def inference_gateway_routes(service: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """Return what the service's gateway passes and how much one key may hold: {paths: the OpenAI
+    paths of its task, headers: the client headers passed (all others are dropped), conns_per_key:
+    the requests at a time one API key may have in the gateway: gateway.conns_per_key, else half of
+    what its ``workers`` workers admit together (concurrency + queue each), at least 1}. Past it NGINX
+    answers 429, so that one key cannot take every worker's slots and starve the other keys."""
+    task = service.get("task")
+    if task not in GATEWAY_PATHS:
+        raise ValueError(f"service {service.get('name')}: task: found {task!r}, expected one of {', '.join(TASKS)}")
+    own = (service.get("gateway") or {}).get("conns_per_key")
+    admitted = max(int(workers or 0), 0) * inference_max_conns(service)
+    return {
+        "paths": list(GATEWAY_PATHS[task]),
+        "headers": list(GATEWAY_CLIENT_HEADERS),
+        "conns_per_key": int(own) if _is_int(own) and own > 0 else max(1, admitted // 2),
+    }
 
 
 # --- memory -----------------------------------------------------------------------------------------
@@ -1533,8 +1634,9 @@ def inference_llamacpp_command(
     holding max_input_tokens + max_new_tokens (-c, llamacpp_context), max_new_tokens as the default
     completion length (-n), /metrics on, every layer on the GPU (-ngl all: a CPU build ignores it, with
     a warning), the layers split evenly over gpus_per_worker GPUs (--tensor-split 1,1[,...]),
-    --embeddings for task embeddings, no web UI. No API key: the gateway checks the clients' keys and
-    takes the header off, and the firewall admits only the gateway (and Prometheus)."""
+    --embeddings for task embeddings, no web UI, no slot endpoints (--no-slots). No API key: the
+    gateway checks the clients' keys and takes the header off, and the firewall admits only the
+    gateway (and Prometheus)."""
     _raise_first(service, _bad_llamacpp(service))
     if not llama_server:
         raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
@@ -1551,7 +1653,9 @@ def inference_llamacpp_command(
             "--n-gpu-layers": "all",
         }
     )
-    argv += ["--metrics", "--no-webui"]
+    # No slot endpoints (/slots: read, save, restore or erase another client's KV cache); the gateway
+    # passes none of llama-server's own paths either (inference_gateway_routes).
+    argv += ["--metrics", "--no-webui", "--no-slots"]
     gpus = _per_worker(service)
     if gpus > 1:
         argv += ["--tensor-split", ",".join(["1"] * gpus)]

@@ -145,7 +145,14 @@ def test_service_keys_win_over_service_defaults_over_the_shared_settings():
         ("bfloat16", 8200, "alice", "/srv/venv"),
     ]
     # The gateway merges key by key: the service's port, the defaults' host, the built-in allow.
-    rest = {"allow": [], "listen": None, "keys": None, "rate_per_s": 100, "conns_per_client": 128}
+    rest = {
+        "allow": [],
+        "listen": None,
+        "keys": None,
+        "rate_per_s": 100,
+        "conns_per_client": 128,
+        "conns_per_key": None,
+    }
     assert got[1]["gateway"] == {"host": "node2", "port": 9090, **rest}
     assert got[0]["gateway"] == {"host": "node2", "port": 8080, **rest}
     assert got[0]["quantization"] == "none" and got[0]["gpus"] == "auto"
@@ -207,7 +214,7 @@ def test_a_mapping_of_services_is_told_to_become_a_list():
         (embed(gateway={"listen": "node1"}), "gateway.listen: found 'node1', expected an IP address"),
         (embed(gateway={"keys": "ci"}), "gateway.keys: found 'ci', expected a list of key names"),
         (embed(gateway={"rate_per_s": 0}), "gateway.rate_per_s: found 0, expected a whole number of 1 or more"),
-        (embed(user="root"), "user: found 'root', expected an unprivileged system user"),
+        (embed(user="root"), "user: found root, an account of the system or of another service, expected a user"),
         (embed(nodes=""), "nodes: found '', expected an inventory group or a list of hosts"),
         (embed(engine="vlm"), "engine: found 'vlm', expected one of builtin, command"),
         (embed(engine="command"), "command: found '', expected an OpenAI-compatible server command with {port}"),
@@ -726,6 +733,8 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_vllm_venvs",
         "inference_vllm_wheelhouses",
         "inference_extra_requirements",
+        "inference_gateway_routes",
+        "inference_user_problems",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
     with pytest.raises(AnsibleFilterError, match=r"inference_services\[0\] \(embed\): quantization: found '4-bit'"):
@@ -802,6 +811,91 @@ def test_body_limits_follow_max_input_tokens_and_max_conns_is_concurrency_plus_q
     assert limits["/v1/embeddings"] == min(2048 * 512, 300_000) * 8 + 65536
     assert limits["other"] == 65536
     assert m.inference_max_conns(item) == 18
+
+
+# --- the gateway passes only what it serves, and a key holds part of the workers (issue 40) ---------
+
+
+@pytest.mark.parametrize("engine", ["builtin", "vllm", "llamacpp", "command"])
+def test_the_gateway_passes_the_openai_paths_of_the_task_and_only_content_type(engine):
+    generation = services(chat(engine="builtin"))[0] | {"engine": engine}
+    embeddings = services(embed())[0] | {"engine": engine}
+    assert m.inference_gateway_routes(generation, 2)["paths"] == [
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+    ]
+    assert m.inference_gateway_routes(embeddings, 2)["paths"] == ["/v1/models", "/v1/embeddings"]
+    # An allow-list: the key, X-Conversation-Id (llama-server goes on generating after the client left) and the
+    # rest stay at the gateway.
+    assert m.inference_gateway_routes(generation, 2)["headers"] == ["Content-Type"]
+
+
+def test_a_key_holds_half_of_what_the_workers_admit_unless_set():
+    item = services(chat(concurrency=2, queue=4))[0]  # 6 requests at a time per worker
+    assert m.inference_gateway_routes(item, 4)["conns_per_key"] == 12  # 4 workers admit 24
+    assert m.inference_gateway_routes(item, 1)["conns_per_key"] == 3
+    assert m.inference_gateway_routes(services(chat(concurrency=1, queue=0))[0], 1)["conns_per_key"] == 1
+    assert m.inference_gateway_routes(item, 0)["conns_per_key"] == 1  # no worker yet
+    own = services(chat(gateway={"conns_per_key": "40"}))[0]
+    assert own["gateway"]["conns_per_key"] == 40 and m.inference_gateway_routes(own, 4)["conns_per_key"] == 40
+
+
+@pytest.mark.parametrize("value", [0, -1, "many", 1.5, True])
+def test_a_bad_conns_per_key_is_refused(value):
+    message = refused(chat(gateway={"conns_per_key": value}))
+    assert f"inference_services[0] (chat): gateway.conns_per_key: found {value!r}, expected a whole number" in message
+
+
+TRAINING = ["budgetgpu", "", "alice"]
+
+
+@pytest.mark.parametrize(
+    ("user", "expected"),
+    [
+        ("budgetgpu", "user: found budgetgpu, the training user (budgetgpu_user, torchrun_user or a job's user)"),
+        ("alice", "user: found alice, the training user"),
+        ("munge", "user: found munge, an account of the system or of another service"),
+        ("slurm", "user: found slurm, an account of the system or of another service"),
+        ("www-data", "user: found www-data, an account of the system or of another service"),
+        ("prometheus", "user: found prometheus, an account of the system or of another service"),
+        ("nobody", "user: found nobody, an account of the system or of another service"),
+        ("root", "user: found root, an account of the system or of another service"),
+        ("Bad User", "user: found 'Bad User', expected a user of the workers' own (default budgetgpu-infer"),
+    ],
+)
+def test_a_service_user_that_is_a_training_user_or_another_services_account_is_refused(user, expected):
+    message = refused(chat(user=user), training_users=TRAINING)
+    assert message.startswith("inference_services[0] (chat): ") and expected in message, message
+    # inference_user is the same check.
+    assert expected in refused(chat(), user=user, training_users=TRAINING)
+
+
+def test_a_user_of_the_workers_own_passes():
+    assert services(chat(user="llm-workers"), training_users=TRAINING)[0]["user"] == "llm-workers"
+    assert services(chat(), training_users=TRAINING)[0]["user"] == "budgetgpu-infer"
+
+
+def test_on_the_node_an_existing_system_account_the_role_did_not_create_is_refused():
+    items = services(chat(user="postgres"), embed(user="llm", gpus=[1]), chat(name="old", user="gone", state="absent"))
+    accounts = {
+        "postgres": {"uid": 112, "gecos": "PostgreSQL administrator"},
+        "llm": {"uid": 998, "gecos": m.USER_COMMENT},
+        "gone": {"uid": 5, "gecos": ""},
+    }
+    assert m.inference_user_problems(items, accounts, 1000, "node1") == [
+        "node1: service chat: user: found postgres, an existing account of uid 112 (below UID_MIN 1000: the system's "
+        "or another service's) that role inference did not create, expected a user of the workers' own: set the "
+        "service's user (or inference_user) to a name that does not exist yet (default budgetgpu-infer), which the "
+        "role creates"
+    ]
+    # Not there yet (the role creates it), an ordinary account the admin made, the role's own, or the default
+    # user that releases before the comment created: accepted.
+    ok = services(chat(user="fresh"), embed(user="svc", gpus=[1]), chat(name="c2", gpus=[2], port=8300))
+    accounts = {"fresh": None, "svc": {"uid": 1001, "gecos": ""}, "budgetgpu-infer": {"uid": 997, "gecos": ""}}
+    assert m.inference_user_problems(ok, accounts, 1000, "node1") == []
+    # uid 0 under another name.
+    assert "uid 0" in m.inference_user_problems(ok[:1], {"fresh": {"uid": 0, "gecos": ""}}, 1000, "node1")[0]
 
 
 # --- engine vllm (issue 29) -------------------------------------------------------------------------
@@ -1051,6 +1145,8 @@ def test_llamacpp_serves_the_gguf_with_one_slot_per_request_and_no_key():
     assert pairs["--alias"] == "chat" and pairs["--port"] == str(worker(service)["port"])
     assert pairs["--parallel"] == "4" and pairs["--ctx-size"] == "1024" and pairs["--n-predict"] == "56"
     assert "--metrics" in argv and "--tensor-split" not in argv and "--embeddings" not in argv
+    # No /slots (read, save, erase another client's KV cache): issue 40.
+    assert "--no-slots" in argv
     assert not any("key" in arg.lower() for arg in argv)
 
 
