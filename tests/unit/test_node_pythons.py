@@ -265,7 +265,9 @@ def test_the_rapl_reader_counts_across_the_wrap(node, tmp_path):
 def test_slurms_prolog_epilog_and_health_check(node, tmp_path):
     jobs = tmp_path / "slurm-jobs"
     job = {"SLURM_JOB_ID": "42", "SLURM_JOB_USER": "alice", "SLURM_JOB_GPUS": "0,2"}
-    energy = ["-c", RUN_MAIN, FILES["slurm"] / "budgetgpu-slurm-energy", json.dumps({"JOBS_DIR": str(jobs)})]
+    # The records under this test's folder, walked from there; no checkpoint root (no slurm-job.env there).
+    paths = {"JOBS_DIR": str(jobs), "BASE": str(tmp_path), "JOB_ENV_FILE": str(tmp_path / "slurm-job.env")}
+    energy = ["-c", RUN_MAIN, FILES["slurm"] / "budgetgpu-slurm-energy", json.dumps(paths)]
     node.ok(*energy, "start", profile="rtx3090x4-risers", env=job)
     node.ok(*energy, "end", profile="rtx3090x4-risers", env=job)
     record = json.loads((jobs / "42.json").read_text())

@@ -221,6 +221,11 @@ def nvmlDeviceGetUUID(handle: _Handle) -> str:
     return handle.get("uuid", f"GPU-00000000-0000-0000-0000-{handle.index:012d}")
 
 
+def nvmlDeviceGetMinorNumber(handle: _Handle) -> int:
+    # The device node gpu_sim makes for it (/dev/nvidia<index>), unless the profile says another.
+    return handle.get("minor_number", handle.index)
+
+
 def nvmlDeviceGetSerial(handle: _Handle) -> str:
     return handle.get("serial", "ERR:NVMLError_NotSupported")
 
