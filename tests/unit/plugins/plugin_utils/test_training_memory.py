@@ -1,0 +1,275 @@
+"""The training memory planner (plugins/plugin_utils/training_memory.py): held against every row the H200
+measured (docs/benchmarks/device-check.md, "fsdp"), and on the guide's cases (issue 42, item 4)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import training_memory as tm
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_job_normalize
+
+GIB = 2**30
+DOC = Path(__file__).resolve().parents[4] / "docs" / "benchmarks" / "device-check.md"
+RTX3090 = ("NVIDIA GeForce RTX 3090", 24576, "8.6")
+RTX4060TI = ("NVIDIA GeForce RTX 4060 Ti", 16376, "8.9")
+# The guide's 7B full fine-tune (Llama-7B's shape), batch 1 x 2048 a rank.
+LLAMA_7B = {"params": 6.74e9, "layers": 32, "width": 4096, "vocab": 32000, "seq_len": 2048, "batch_size": 1}
+
+
+def measured_rows() -> list[dict]:
+    """The fsdp table of the device check: model, params, variant, after step 1 and peak in GiB."""
+    section = DOC.read_text().split("**fsdp**", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].startswith("gpt2-"):
+            rows.append({"model": cells[0], "params_m": int(cells[1].split()[0]), "variant": cells[2],
+                         "states_gib": float(cells[4]), "peak_gib": float(cells[6])})  # fmt: skip
+    return rows
+
+
+# The benchmark ran at batch 4 x 1024 tokens, world size 1 (nothing sharded). plain-fp32 is no wrapper at all:
+# a DDP rank's states without DDP's buckets, which the planner adds for ddp (the table does not measure them).
+VARIANTS = {
+    "fsdp-bf16": {"mixed_precision": "bf16", "activation_checkpointing": False},
+    "fsdp-bf16-ckpt": {"mixed_precision": "bf16", "activation_checkpointing": True},
+    "fsdp-fp32": {"mixed_precision": "none", "activation_checkpointing": False},
+    "plain-fp32": {"mixed_precision": "none", "activation_checkpointing": False},
+}
+
+
+def test_the_table_holds_every_preset_and_variant_the_benchmark_measured():
+    rows = measured_rows()
+    assert len(rows) == 16, rows
+    assert {(r["model"], r["variant"]) for r in rows} == {
+        (m, v) for m in ("gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b") for v in VARIANTS
+    }
+    for row in rows:  # the presets' parameter counts are the models the H200 built
+        assert round(tm.PRESETS[row["model"]]["params"] / 1e6) == row["params_m"]
+
+
+@pytest.mark.parametrize("row", measured_rows(), ids=lambda r: f"{r['model']}-{r['variant']}")
+def test_the_planned_peak_is_within_15_percent_of_the_h200s_measured_peak(row):
+    spec = tm.model_spec({"preset": row["model"], "batch_size": 4})
+    options = {"parallelism": "fsdp", "state_precision": "fp32", **VARIANTS[row["variant"]]}
+    plan = tm.rank_plan(spec, options, shard=1)
+    assert plan["peak"] / GIB == pytest.approx(row["peak_gib"], rel=0.15)
+    # Weights, gradients and AdamW states: 16 bytes a parameter against the 16.0 to 16.2 measured.
+    assert plan["states"] / GIB == pytest.approx(row["states_gib"], rel=0.05)
+
+
+def test_with_checkpointing_the_774m_and_1_5b_peaks_are_the_optimizer_step_not_the_activations():
+    # The H200's 1.5B with checkpointing peaked at 29.49 GiB: 23.55 of states and the optimizer step's copy of
+    # the parameters (4 bytes each, 5.8 GiB), above the 3.3 GiB of checkpointed activations.
+    spec = tm.model_spec({"preset": "gpt2-1.5b", "batch_size": 4})
+    plan = tm.rank_plan(spec, {**VARIANTS["fsdp-bf16-ckpt"], "parallelism": "fsdp", "state_precision": "fp32"}, 1)
+    assert plan["optimizer"] > plan["activations"]
+    assert plan["peak"] == plan["states"] + plan["optimizer"]
+
+
+def gpus(kind: tuple = RTX3090, count: int = 4) -> dict:
+    name, mib, capability = kind
+    return {
+        "driver": {"state": "loaded", "version": "550.54.14"},
+        "count": count,
+        "gpus": [{"index": i, "name": name, "memory_total_mib": mib, "compute_capability": capability}
+                 for i in range(count)],
+    }  # fmt: skip
+
+
+def cluster(*nodes: dict) -> tuple[dict, dict]:
+    """hostvars and groups of nodes node1, node2... in group gpu_nodes, each with its gpu_facts."""
+    hostvars = {f"node{i}": {"ansible_facts": {"budgetgpu_gpus": n}} for i, n in enumerate(nodes, 1)}
+    return hostvars, {"gpu_nodes": list(hostvars)}
+
+
+def job(**keys) -> dict:
+    return torchrun_job_normalize({"name": "train", "script": "/srv/train.py", **keys})
+
+
+def check(one_job: dict, *nodes: dict) -> dict:
+    return tm.job_memory(one_job, *cluster(*(nodes or (gpus(),))))
+
+
+# GPT-2 1.5B as the guide trains it on 4x3090: batch 4 x 1024 a rank, bf16 compute, activation checkpointing.
+GPT2_XL = {
+    "model": {"preset": "gpt2-1.5b", "batch_size": 4},
+    "mixed_precision": "bf16",
+    "activation_checkpointing": True,
+}
+
+
+def test_gpt2_1_5b_on_4x3090_is_refused_under_ddp_with_the_arithmetic_and_fsdp_as_a_way_out():
+    result = check(job(**GPT2_XL))
+    (problem,) = result["problems"]
+    assert problem["host"] == "node1" and problem["job"] == "train"
+    assert problem["field"] == "memory of GPU 0, 1, 2, 3 (NVIDIA GeForce RTX 3090, 24576 MiB)"
+    # 16 bytes a parameter on every GPU before one activation, and DDP's buckets beside the gradients.
+    assert "ddp over 4 ranks" in problem["found"] and "states 23.2 + DDP buckets 5.8" in problem["found"]
+    assert problem["expected"].startswith("at most 21.1 GiB (24.0 GiB less 500 MiB CUDA context and 10%")
+    assert "parallelism: fsdp (9.5 GiB a rank)" in problem["hint"]
+
+
+def test_gpt2_1_5b_on_4x3090_is_accepted_under_fsdp():
+    result = check(job(**GPT2_XL, parallelism="fsdp"))
+    assert result["problems"] == []
+    assert result["plan"]["states"] == pytest.approx(1_557_611_200 * 16 / 4)
+    assert "fits every GPU of the job" in result["line"] and "fsdp over 4 ranks" in result["line"]
+
+
+FSDP_7B = {"model": LLAMA_7B, "parallelism": "fsdp"}
+
+
+def test_a_7b_full_fine_tune_on_4x3090_fits_with_bf16_states_and_checkpointing_about_14_gb_of_states_a_gpu():
+    result = check(job(**FSDP_7B, state_precision="bf16", activation_checkpointing=True))
+    assert result["problems"] == [], result["problems"]
+    assert 13e9 < result["plan"]["states"] < 14e9  # 6.74e9 x 8 bytes / 4
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"state_precision": "bf16"},  # without checkpointing: 14.6 GiB of activations at 2048 tokens
+        {"activation_checkpointing": True, "mixed_precision": "bf16"},  # fp32 states: 25.1 GiB a GPU
+        {},
+    ],
+    ids=["bf16-states-only", "checkpointing-only", "neither"],
+)
+def test_a_7b_full_fine_tune_on_4x3090_is_refused_without_either(keys):
+    (problem,) = check(job(**FSDP_7B, **keys))["problems"]
+    assert problem["field"].startswith("memory of GPU 0, 1, 2, 3")
+    if not keys:
+        assert "state_precision: bf16 + activation_checkpointing: true (16.0 GiB a rank)" in problem["hint"]
+
+
+def test_a_7b_with_fp32_adamw_on_4x24gb_is_refused_whatever_the_activations():
+    # Even at one token a rank: 6.74e9 x 16 bytes / 4 = 25.1 GiB of states against 21.1 usable.
+    tiny_batch = {**LLAMA_7B, "seq_len": 1}
+    (problem,) = check(job(model=tiny_batch, parallelism="fsdp", activation_checkpointing=True))["problems"]
+    assert "adamw fp32 states" in problem["found"] and "states 25.1" in problem["found"]
+
+
+def test_the_guides_faq_7b_lora_fits_16gb_and_13b_qlora_fits_24gb():
+    lora = {**LLAMA_7B, "seq_len": 1024, "adapter": "lora", "lora_rank": 8}
+    result = check(job(model=lora, nproc_per_node=1, activation_checkpointing=True), gpus(RTX4060TI, 1))
+    assert result["problems"] == [] and "lora rank 8" in result["line"]
+    qlora = {"preset": "llama-13b", "batch_size": 1, "adapter": "qlora"}
+    result = check(job(model=qlora, nproc_per_node=1, activation_checkpointing=True), gpus(RTX3090, 1))
+    assert result["problems"] == [] and "13.02e9 params qlora" in result["line"]
+
+
+def test_a_7b_full_fine_tune_on_one_16gb_card_names_lora_and_qlora_and_only_ways_that_fit():
+    full = {**LLAMA_7B, "seq_len": 1024}  # the FAQ's LoRA case below, as a full fine-tune
+    (problem,) = check(job(model=full, nproc_per_node=1, activation_checkpointing=True), gpus(RTX4060TI, 1))["problems"]
+    ways = problem["hint"].removeprefix("ways out: ").split("; ")
+    assert any(w.startswith("model.adapter: lora (rank 8) (") for w in ways), ways
+    assert any(w.startswith("model.adapter: qlora (rank 8) (") for w in ways), ways
+    usable = tm.usable_bytes(RTX4060TI[1]) / GIB
+    for way in ways:
+        assert float(re.search(r"\(([\d.]+) GiB a rank\)$", way)[1]) <= usable, way
+    # bf16 states alone leave 12.6 GiB of weights, gradients and states on one card: not offered.
+    assert not any(w.startswith("state_precision: bf16 (") for w in ways), ways
+
+
+def test_more_gpus_are_offered_with_the_nodes_they_take():
+    spec, options = tm.model_spec(LLAMA_7B), tm.job_options(job(parallelism="fsdp", activation_checkpointing=True))
+    ways = tm.ways_out(spec, options, {"nodes": 1, "nproc": 4, "world": 4}, tm.usable_bytes(24576), (8, 6))
+    # fp32 states over 8 ranks: 12.6 GiB of them a rank, and the checkpointed activations.
+    assert "more GPUs: fsdp over 8 (2 nodes of 4) (18.0 GiB a rank)" in ways
+
+
+def test_below_compute_capability_8_no_bf16_way_out_is_offered():
+    turing = ("NVIDIA GeForce RTX 2080 Ti", 11264, "7.5")
+    (problem,) = check(job(model={"preset": "gpt2-774m", "batch_size": 4}), gpus(turing, 1))["problems"]
+    assert "bf16" not in problem["hint"] and "activation_checkpointing: true + model.adapter: lora" in problem["hint"]
+    spec, options = tm.model_spec({"preset": "gpt2-774m", "batch_size": 4}), tm.job_options(job())
+    assert [label for label, _, _ in tm._levers(spec, options, 1, 1, (7, 5))] == [
+        "mixed_precision: fp16",
+        "activation_checkpointing: true",
+        "model.adapter: lora (rank 8)",
+        "model.adapter: qlora (rank 8)",
+    ]
+
+
+def test_hsdp_shards_within_a_node_and_fsdp_over_every_rank():
+    two_by_two = (gpus(count=2), gpus(count=2))
+    hsdp = check(job(**GPT2_XL, parallelism="hsdp"), *two_by_two)["plan"]
+    fsdp = check(job(**GPT2_XL, parallelism="fsdp"), *two_by_two)["plan"]
+    assert hsdp["states"] == pytest.approx(1_557_611_200 * 16 / 2)
+    assert fsdp["states"] == pytest.approx(1_557_611_200 * 16 / 4)
+
+
+def test_each_kind_of_gpu_is_checked_and_only_those_that_do_not_fit_are_named():
+    keys = {"model": {"preset": "gpt2-1.5b", "batch_size": 2}, "mixed_precision": "bf16", "parallelism": "fsdp"}
+    (problem,) = check(job(**keys), gpus(count=2), gpus(RTX4060TI, 2))["problems"]  # 16.0 GiB a rank
+    assert problem["host"] == "node2" and "RTX 4060 Ti, 16376 MiB" in problem["field"]
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "words"),
+    [
+        ({"preset": "gpt2-1.5b", "batch_size": 4, "batchsize": 4}, "model.batchsize", "one of preset, params"),
+        ({"preset": "gpt-5", "batch_size": 4}, "model.preset", "one of gpt2-124m"),
+        ({"preset": "gpt2-1.5b"}, "model.batch_size", "a whole number of 1 or more"),
+        ({**LLAMA_7B, "layers": 0}, "model.layers", "a whole number"),
+        ({**LLAMA_7B, "width": True}, "model.width", "a whole number"),
+        ({**LLAMA_7B, "seq_len": 10.5}, "model.seq_len", "a whole number"),
+        ({**LLAMA_7B, "params": "many"}, "model.params", "a positive number"),
+        ({**LLAMA_7B, "optimizer": "adam"}, "model.optimizer", "one of adamw, sgd"),
+        ({**LLAMA_7B, "adapter": "dora"}, "model.adapter", "one of none, lora, qlora"),
+        ({**LLAMA_7B, "lora_rank": 0}, "model.lora_rank", "LoRA's r"),
+        ([LLAMA_7B], "model", "a dict such as"),
+    ],
+)
+def test_a_bad_model_key_is_a_problem_naming_job_and_key_and_nothing_is_planned(model, field, words):
+    result = check(job(model=model))
+    assert result["plan"] is None
+    assert [(p["host"], p["job"], p["field"]) for p in result["problems"]] == [("node1", "train", field)]
+    assert words in result["problems"][0]["expected"]
+
+
+def test_params_as_yaml_reads_them_and_explicit_keys_override_the_preset():
+    # YAML 1.1 reads 6.74e9 as text, and extra vars give text: both plan as the number.
+    assert tm.model_bads({**LLAMA_7B, "params": "6.74e9"}) == []
+    assert tm.model_spec({**LLAMA_7B, "params": "6.74e9"})["params"] == 6.74e9
+    assert tm.model_spec({"preset": "gpt2-1.5b", "batch_size": 2, "seq_len": 512})["seq_len"] == 512
+
+
+def test_a_job_without_model_or_without_gpu_facts_is_not_planned_and_says_so():
+    result = check(job())
+    assert result["problems"] == [] and "memory not planned: the job gives no model" in result["line"]
+    hostvars = {"node1": {"ansible_facts": {}}}
+    result = tm.job_memory(job(**GPT2_XL), hostvars, {"gpu_nodes": ["node1"]})
+    assert result["problems"] == [] and "no GPU memory in gpu_facts of node1" in result["line"]
+
+
+def test_the_check_reports_a_line_a_job_then_each_problem_in_preflights_form_and_skips_absent_jobs():
+    jobs = [job(**GPT2_XL), {**job(**GPT2_XL, name="gone"), "state": "absent"}, job(name="plain", port=29501)]
+    result = tm.training_memory_check(jobs, *cluster(gpus()))
+    assert [p["job"] for p in result["problems"]] == ["train"]
+    assert result["report"][0].startswith("job train: peak 35.3 GiB a rank (ddp over 4 ranks")
+    assert result["report"][1].startswith("job plain: memory not planned")
+    assert result["report"][2].startswith("FAIL node1: job train memory of GPU 0, 1, 2, 3 (NVIDIA GeForce RTX 3090")
+    assert not any("gone" in line for line in result["report"])
+
+
+def test_the_status_line_puts_the_measured_peak_beside_the_plan():
+    one = job(**GPT2_XL, parallelism="fsdp")
+    hostvars, groups = cluster(gpus())
+    measured = {"step": 10, "peak_memory_bytes": 9 * GIB}
+    assert tm.training_memory_status(one, hostvars, groups, measured) == [
+        "memory: planned 9.5 GiB a rank, measured 9.0 GiB (-5% against the plan)"
+    ]
+    # As the reader hands it over (slurp's form), and with the peak in each rank's entry.
+    by_rank = {"ranks": [{"rank": 0, "peak_memory_bytes": 8 * GIB}, {"rank": 1, "peak_memory_bytes": 10 * GIB}]}
+    slurped = {"content": base64.b64encode(json.dumps(by_rank).encode()).decode()}
+    assert "measured 10.0 GiB (+5% against the plan)" in tm.training_memory_status(one, hostvars, groups, slurped)[0]
+    assert "measured: not in rank 0's status" in tm.training_memory_status(one, hostvars, groups, {"step": 1})[0]
+    assert "measured: no status on this node" in tm.training_memory_status(one, hostvars, groups, None)[0]
+    assert tm.training_memory_status(job(), hostvars, groups, None)[0].startswith(
+        "memory: not planned: the job gives no model"
+    )
