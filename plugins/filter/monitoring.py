@@ -10,7 +10,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring impor
     alertmanager_problems,
     alertmanager_targets,
     alertmanager_url,
-    firewall_rules,
     inference_scrape_targets,
     prometheus_url,
     scrape_targets,
@@ -28,5 +27,4 @@ class FilterModule:
             "monitoring_alertmanager_targets": alertmanager_targets,
             "monitoring_alertmanager_problems": alertmanager_problems,
             "monitoring_inference_targets": as_filter(inference_scrape_targets),
-            "firewall_rules": as_filter(firewall_rules),
         }

@@ -1,9 +1,9 @@
-"""Who Prometheus scrapes and who may scrape: the node exporters' targets (each node's cluster address,
-the one net_facts chose), the inference workers' targets (the inference service model's own placement
-and ports: plugin_utils/inference.py inference_workers, never a second copy of them) and the addresses
-a Prometheus host may connect from (the node exporters', the workers' and Prometheus' own firewall);
-where the control node finds Prometheus' HTTP API (playbooks/report.yml) and Alertmanager's (what posts
-alerts, amtool), and where Prometheus sends its alerts. Controller side, pure over hostvars."""
+"""Who Prometheus scrapes: the node exporters' targets (each node's cluster address, the one net_facts
+chose) and the inference workers' targets (the inference service model's own placement and ports:
+plugin_utils/inference.py inference_workers, never a second copy of them; who may scrape them is role
+firewall's, plugin_utils/firewall.py); where the control node finds Prometheus' HTTP API
+(playbooks/report.yml) and Alertmanager's (what posts alerts, amtool), and where Prometheus sends its
+alerts. Controller side, pure over hostvars."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import
     node_address,
     service_hosts,
 )
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_addresses
 
 # The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
 # budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
@@ -35,23 +34,6 @@ def scrape_targets(hosts: list[str], hostvars: Mapping[str, Any], port: int) -> 
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         configs.append({"targets": [target], "labels": {"instance": host}})
     return configs
-
-
-def scraper_addresses(hosts: list[str], hostvars: Mapping[str, Any], extra: list[str] | None = None) -> dict[str, Any]:
-    """Return {ipv4, ipv6, unknown}: every address the hosts may connect from (their NICs' addresses, from
-    net_facts, as the training firewall takes its members), the extra addresses or networks as given, and
-    the hosts without net_facts (nothing is known of their addresses: the caller refuses them)."""
-    nets, unknown = [], []
-    for host in hosts:
-        facts = (hostvars.get(host) or {}).get("ansible_facts") or {}
-        if isinstance(facts.get("budgetgpu_net"), Mapping):
-            nets.append(facts["budgetgpu_net"])
-        else:
-            unknown.append(host)
-    found = nccl_member_addresses(nets)
-    for address in extra or []:
-        found["ipv6" if ":" in str(address) else "ipv4"].append(str(address))
-    return {"ipv4": sorted(set(found["ipv4"])), "ipv6": sorted(set(found["ipv6"])), "unknown": unknown}
 
 
 # A listen address on every interface: the control node must pick one of the host's addresses itself.
@@ -118,27 +100,6 @@ def inference_scrape_targets(
                 }
                 configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
     return configs
-
-
-def firewall_rules(ports: list[Mapping[str, Any]], hostvars: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Return each entry of a budgetgpu firewall table (role firewall: {port, what, only, hosts, extra,
-    inputs}, optionally name and verdict) with ports (port as a list of "N" or "N-M", from a number,
-    such a string, a comma list or a list), allow (the scraper_addresses of its hosts and extra
-    addresses: {ipv4, ipv6, unknown}), name (its nft sets' prefix, from `what` unless given) and verdict
-    (reject with a TCP reset unless given: the client learns at once)."""
-    rules = []
-    for entry in ports or []:
-        port = entry["port"]
-        items = port if isinstance(port, list) else str(port).split(",")
-        spans = [str(item).replace(" ", "") for item in items if str(item).strip()]
-        bad = [span for span in spans if not re.fullmatch(r"[0-9]+(-[0-9]+)?", span)]
-        if bad or not spans:
-            raise ValueError(f"firewall {entry.get('what')}: port: found {port!r}, expected ports N or ranges N-M")
-        allow = scraper_addresses(list(entry.get("hosts") or []), hostvars, list(entry.get("extra") or []))
-        name = re.sub(r"[^a-z0-9]+", "_", str(entry.get("name") or entry["what"]).lower()).strip("_")
-        verdict = entry.get("verdict") or "reject with tcp reset"
-        rules.append({**entry, "ports": spans, "allow": allow, "name": name, "verdict": verdict})
-    return rules
 
 
 _DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import jinja2
 import yaml
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.firewall import firewall_record_lines, firewall_rules
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_firewall_ports
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_lines, nccl_recorded_members
 
 ROLES = Path(__file__).resolve().parents[3] / "roles"
@@ -27,13 +27,20 @@ def net(*addresses: str) -> dict:
 HOSTVARS = {"monitor": net("10.0.0.13", "fd00::13"), "node1": net("10.0.0.11")}
 
 
-def render(entries: list[dict], table: str = "budgetgpu_test", notes: list[str] | None = None) -> str:
+def render(
+    entries: list[dict],
+    table: str = "budgetgpu_test",
+    notes: list[str] | None = None,
+    passwd: dict | None = None,
+    recorded: str | None = None,
+) -> str:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["comment"] = lambda text: "# " + text
+    env.filters["budgetgpu.cluster.firewall_record_lines"] = firewall_record_lines
     env.tests["search"] = lambda value, pattern: re.search(pattern, str(value)) is not None
     return env.from_string(TEMPLATE.read_text()).render(
         ansible_managed="Ansible managed",
-        _firewall_rules=firewall_rules(entries, HOSTVARS),
+        _firewall_rules=firewall_rules(entries, HOSTVARS, passwd, recorded),
         _firewall_table=table,
         firewall_notes=notes or [],
     )
@@ -150,3 +157,76 @@ def test_every_caller_includes_the_role_with_a_table_of_its_own():
     assert set(names) == set(CALLERS), "a caller without role firewall keeps a firewall of its own"
     assert len(set(names.values())) == len(CALLERS), f"two callers would replace each other's table: {names}"
     assert not list(ROLES.glob("*/templates/*.nft.j2"))[1:], "one nft template, role firewall's"
+
+
+PASSWD = {
+    "www-data": ["x", "33", "33", "www-data", "/var/www", "/usr/sbin/nologin"],
+    "prometheus": ["x", "998", "997", "Prometheus daemon", "/var/lib/prometheus", "/usr/sbin/nologin"],
+}
+
+
+def test_local_users_are_checked_in_output_by_their_socket_owner_new_connections_only():
+    entries = [
+        {
+            "port": 9093,
+            "what": "Alertmanager",
+            "only": "its clients",
+            "hosts": ["monitor"],
+            "extra": [],
+            "local": ["prometheus"],
+        },
+        {"port": 9094, "what": "cluster port", "only": "nobody", "hosts": [], "extra": [], "local": []},
+        {"port": 6817, "what": "Slurm", "only": "cluster", "hosts": ["node1"], "extra": []},
+    ]
+    text = render(entries, "budgetgpu_alertmanager", passwd=PASSWD)
+    output = text[text.index("chain output {") :]
+    assert "type filter hook output priority filter - 5; policy accept;" in output
+    assert [line for line in rules(output)] == [
+        "tcp dport { 9093 } ct state new fib daddr type local meta skuid != { 0, 998 } counter reject with tcp reset"
+        ' comment "budgetgpu: Alertmanager, from this node root, prometheus only"',
+        "tcp dport { 9094 } ct state new fib daddr type local meta skuid != { 0 } counter reject with tcp reset"
+        ' comment "budgetgpu: cluster port, from this node root only"',
+    ]
+    # Slurm's port names no local users: every local user still reaches it (srun).
+    assert "6817" not in output
+    assert "#   9093 (Alertmanager): monitor; from this node: root, prometheus" in text
+    assert "#   6817 (Slurm): node1; from this node: every local user" in text
+
+
+def test_a_table_without_local_users_has_no_output_chain():
+    text = render(
+        [{"port": 9090, "what": "Prometheus", "only": "its clients", "hosts": ["monitor"], "extra": []}], passwd=PASSWD
+    )
+    assert "chain output {" not in text and "meta skuid" not in text
+
+
+def test_the_file_records_its_hosts_and_a_down_host_keeps_its_place_from_the_record():
+    entry = {
+        "port": 9100,
+        "what": "node exporter",
+        "only": "Prometheus only",
+        "hosts": ["monitor", "node7"],
+        "extra": [],
+    }
+    # node7 is down in this run (no facts); the last run's file recorded it.
+    text = render([entry], "budgetgpu_metrics", passwd=PASSWD, recorded="# member node7: 10.0.0.17\n")
+    assert "elements = { 10.0.0.13, 10.0.0.17 }" in sets(text)["node_exporter_v4"]
+    assert nccl_recorded_members(text) == {
+        "monitor": {"ipv4": ["10.0.0.13"], "ipv6": ["fd00::13"]},
+        "node7": {"ipv4": ["10.0.0.17"], "ipv6": []},
+    }
+
+
+def test_callers_name_who_may_connect_from_the_node():
+    local = {}
+    for role in ("alertmanager", "prometheus", "node_exporter", "nccl_network"):
+        for path in sorted((ROLES / role / "tasks").glob("*.yml")):
+            for task in yaml.safe_load(path.read_text()) or []:
+                include = task.get("ansible.builtin.include_role") or {}
+                if include.get("name") == "budgetgpu.cluster.firewall":
+                    local[role] = [rule.get("local") for rule in task["vars"]["firewall_rules"]]
+    assert local["alertmanager"] == [["prometheus"], []]
+    assert local["prometheus"] == [["prometheus"]] and local["node_exporter"] == [["prometheus"]]
+    # The training table: the rendezvous and test ports to the node's job users (a template), the
+    # ephemeral range (NCCL/gloo, a Slurm job's own ranks) to every local user.
+    assert "map(attribute='user')" in local["nccl_network"][0] and local["nccl_network"][1] is None

@@ -1,5 +1,4 @@
-"""monitoring: Prometheus' targets at each node's cluster address, and the addresses the node exporters'
-firewall lets in (every NIC address of the Prometheus hosts, the extra ones, the hosts it cannot know)."""
+"""monitoring: Prometheus' targets at each node's cluster address (who may reach them: test_firewall.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import (
     prometheus_url,
     scrape_targets,
-    scraper_addresses,
 )
 
 
@@ -34,15 +32,6 @@ def test_targets_are_the_cluster_addresses_labelled_with_the_inventory_name():
         {"targets": ["192.168.1.5:9100"], "labels": {"instance": "control"}},
         {"targets": ["bare:9100"], "labels": {"instance": "bare"}},
     ]
-
-
-def test_scrapers_are_every_nic_address_never_docker_or_loopback_and_unknown_hosts_are_named():
-    assert scraper_addresses(["node1", "control"], HOSTVARS, ["192.168.9.0/24"]) == {
-        "ipv4": ["10.0.0.11", "192.168.9.0/24"],
-        "ipv6": ["fd00::11"],
-        "unknown": ["control"],
-    }
-    assert scraper_addresses([], HOSTVARS) == {"ipv4": [], "ipv6": [], "unknown": []}
 
 
 def test_the_control_node_finds_prometheus_at_its_ansible_host_else_its_cluster_address_else_its_name():
@@ -113,53 +102,6 @@ def test_inference_targets_refuse_a_node_without_facts():
     )
     with pytest.raises(ValueError, match="node9: service chat: gpus: found no GPU facts"):
         inference_scrape_targets(services, {}, ["node9"])
-
-
-def test_firewall_rules_give_each_port_its_addresses_sets_and_verdict():
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
-
-    ports = [
-        {"port": "9100", "what": "node exporter", "only": "Prometheus only", "hosts": ["node1"], "extra": []},
-        {
-            "port": 9090,
-            "what": "Prometheus",
-            "only": "its clients only",
-            "hosts": ["control"],
-            "extra": ["10.0.0.0/24"],
-        },
-        {"port": [29500, "60000-61000"], "what": "NCCL", "only": "members", "name": "members", "verdict": "drop"},
-    ]
-    rules = firewall_rules(ports, HOSTVARS)
-    assert [(r["ports"], r["allow"], r["name"], r["verdict"]) for r in rules] == [
-        (
-            ["9100"],
-            {"ipv4": ["10.0.0.11"], "ipv6": ["fd00::11"], "unknown": []},
-            "node_exporter",
-            "reject with tcp reset",
-        ),
-        (
-            ["9090"],
-            {"ipv4": ["10.0.0.0/24"], "ipv6": [], "unknown": ["control"]},
-            "prometheus",
-            "reject with tcp reset",
-        ),
-        (["29500", "60000-61000"], {"ipv4": [], "ipv6": [], "unknown": []}, "members", "drop"),
-    ]
-
-
-@pytest.mark.parametrize("port", ["", "ssh", "22;", "8100-", [], "9100,x"])
-def test_firewall_rules_refuse_a_port_that_is_not_a_number_or_range(port):
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
-
-    with pytest.raises(ValueError, match=r"firewall node exporter: port: found .*, expected ports N or ranges N-M"):
-        firewall_rules([{"port": port, "what": "node exporter", "only": "", "hosts": [], "extra": []}], HOSTVARS)
-
-
-def test_a_comma_list_of_ports_is_split():
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import firewall_rules
-
-    rule = firewall_rules([{"port": "6817, 6818,60001-60100", "what": "Slurm"}], HOSTVARS)[0]
-    assert rule["ports"] == ["6817", "6818", "60001-60100"]
 
 
 ALERTMANAGER = {
