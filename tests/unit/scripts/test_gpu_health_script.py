@@ -4,6 +4,8 @@ change lines (once), the quarantine, release; and the launcher leaving quarantin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -110,6 +112,37 @@ def test_a_pass_quarantines_logs_each_change_once_and_release_returns_the_gpu(wa
     assert script.run_pass(config, "t6") == [] and set(script.read_json(config["state_file"])["quarantine"]) == {
         GPUS[1]
     }
+
+
+def test_release_as_root_follows_no_link_planted_as_the_watchs_lock_file(watch, tmp_path):
+    """The watch's directory is its user's; root's release opens the lock file there. A link the watch user
+    planted must not make root create (or lock) its target, and the state stays as it was."""
+    script, config, _inject = watch
+    script.run_pass(config, "t0")
+    before = Path(config["state_file"]).read_bytes()
+    target = tmp_path / "elsewhere" / "made-by-root"
+    target.parent.mkdir()
+    lock = Path(config["state_file"] + ".lock")
+    lock.unlink()  # the pass's
+    lock.symlink_to(target)
+    code, message = script.release(config, GPUS[2], "t1")
+    assert code == 2 and message.startswith(f"node1: cannot release GPU {GPUS[2]} ({config['state_file']}): ")
+    assert message.endswith("nothing changed")
+    assert not target.exists()
+    assert Path(config["state_file"]).read_bytes() == before
+
+
+def test_release_does_not_wait_on_a_fifo_planted_as_the_lock_file(watch):
+    script, config, _inject = watch
+    os.mkfifo(config["state_file"] + ".lock")
+    # Opening a FIFO to read blocks until a writer comes: the alarm ends a release that waits.
+    signal.signal(signal.SIGALRM, lambda *_args: pytest.fail("release waited on the FIFO"))
+    signal.alarm(5)
+    try:
+        code, message = script.release(config, GPUS[2], "t1")
+    finally:
+        signal.alarm(0)
+    assert code == 2 and "is not a regular file: remove it" in message
 
 
 def test_a_kern_log_created_after_a_pass_is_read_from_its_start(watch):
