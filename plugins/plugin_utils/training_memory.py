@@ -247,18 +247,18 @@ def ways_out(
     layout: {nodes, nproc, world}."""
     nodes, nproc, world = layout["nodes"], layout["nproc"], layout["world"]
     levers = _levers(spec, options, nodes, world, capability)
-    found: list[tuple[frozenset[int], str]] = []
+    found: dict[frozenset[int], str] = {}
     for size in range(1, len(levers) + 1):
         for combo in itertools.combinations(range(len(levers)), size):
             labels = [levers[i][0] for i in combo]
-            if sum("model.adapter" in label for label in labels) > 1 or any(ways <= set(combo) for ways, _ in found):
+            if sum("model.adapter" in label for label in labels) > 1 or any(subset <= set(combo) for subset in found):
                 continue
             new_options = {**options, **{k: v for i in combo for k, v in levers[i][1].items()}}
             new_spec = {**spec, **{k: v for i in combo for k, v in levers[i][2].items()}}
             plan = rank_plan(new_spec, new_options, _shard_group(new_options["parallelism"], world, nproc))
             if plan["peak"] <= usable:
-                found.append((frozenset(combo), f"{' + '.join(labels)} ({_gib(plan['peak'])} a rank)"))
-    ways = [text for _, text in found[:MAX_WAYS_OUT]]
+                found[frozenset(combo)] = f"{' + '.join(labels)} ({_gib(plan['peak'])} a rank)"
+    ways = list(found.values())[:MAX_WAYS_OUT]
     if not any(text.startswith("parallelism: fsdp (") for text in ways) and nproc:
         fsdp = {**options, "parallelism": "fsdp"}
         for more in range(nodes + 1, 257):
@@ -341,7 +341,7 @@ def job_memory(job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapp
         )
         problems.append(_problem(",".join(kind["hosts"]), name, f"memory of {gpu}", f"needs {text}", expected, hint))
     verdict = f"does not fit {len(problems)} kind(s) of GPU" if problems else "fits every GPU of the job"
-    smallest = min(mib for _, mib in _gpu_kinds(gpus))
+    smallest = min(gpu["memory_total_mib"] for _host, gpu in gpus)
     return {
         "problems": problems,
         "line": f"job {name}: {text}; {verdict} (the smallest: {_gib(usable_bytes(smallest))} usable)",

@@ -187,7 +187,7 @@ def test_below_compute_capability_8_no_bf16_way_out_is_offered():
     (problem,) = check(job(model={"preset": "gpt2-774m", "batch_size": 4}), gpus(turing, 1))["problems"]
     assert "bf16" not in problem["hint"] and "activation_checkpointing: true + model.adapter: lora" in problem["hint"]
     spec, options = tm.model_spec({"preset": "gpt2-774m", "batch_size": 4}), tm.job_options(job())
-    assert [label for label, _, _ in tm._levers(spec, options, 1, 1, (7, 5))] == [
+    assert [lever[0] for lever in tm._levers(spec, options, 1, 1, (7, 5))] == [
         "mixed_precision: fp16",
         "activation_checkpointing: true",
         "model.adapter: lora (rank 8)",
