@@ -40,7 +40,7 @@ from typing import Any
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import CUDA_CONTEXT_BYTES, node_gpus
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import _slurped_json, job_hosts, job_nproc
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _line, _problem
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _bad_sharding, _line, _problem
 
 GIB = 2**30
 # Published shapes: the guide's GPT-2 sizes (the example trainer's and tests/benchmarks/fsdp_memory.py's)
@@ -242,9 +242,9 @@ def _levers(
 def ways_out(
     spec: Mapping[str, Any], options: Mapping[str, Any], layout: Mapping[str, int], usable: float, capability: Any
 ) -> list[str]:
-    """Each smallest set of the guide's levers that makes the job fit, with what it would need a rank,
-    then more GPUs (fsdp over as many nodes like these as it takes), where that fits and fsdp alone does not.
-    layout: {nodes, nproc, world}."""
+    """Each smallest set of the guide's levers that makes the job fit and that preflight accepts, with what
+    it would need a rank, then more GPUs (fsdp over as many nodes like these as it takes), where that fits
+    and fsdp alone does not. layout: {nodes, nproc, world}."""
     nodes, nproc, world = layout["nodes"], layout["nproc"], layout["world"]
     levers = _levers(spec, options, nodes, world, capability)
     found: dict[frozenset[int], str] = {}
@@ -254,6 +254,8 @@ def ways_out(
             if sum("model.adapter" in label for label in labels) > 1 or any(subset <= set(combo) for subset in found):
                 continue
             new_options = {**options, **{k: v for i in combo for k, v in levers[i][1].items()}}
+            if any(_bad_sharding(new_options)):  # preflight's own rule: no fp16 under fsdp or with bf16 states
+                continue
             new_spec = {**spec, **{k: v for i in combo for k, v in levers[i][2].items()}}
             plan = rank_plan(new_spec, new_options, _shard_group(new_options["parallelism"], world, nproc))
             if plan["peak"] <= usable:

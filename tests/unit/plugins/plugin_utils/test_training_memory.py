@@ -195,6 +195,16 @@ def test_below_compute_capability_8_no_bf16_way_out_is_offered():
     ]
 
 
+def test_no_way_out_is_one_preflight_refuses_fp16_under_fsdp():
+    # On 4 x RTX 2080 Ti, GPT-2 355M under ddp: fsdp alone is too little, fsdp with fp16 would just fit (9.4 GiB
+    # a rank) but preflight refuses fp16 on the sharded path (no loss scaler), so fsdp comes with checkpointing.
+    turing = ("NVIDIA GeForce RTX 2080 Ti", 11264, "7.5")
+    (problem,) = check(job(model={"preset": "gpt2-355m", "batch_size": 4}), gpus(turing, 4))["problems"]
+    ways = problem["hint"].removeprefix("ways out: ").split("; ")
+    assert not any("parallelism: fsdp" in w and "fp16" in w for w in ways), ways
+    assert any(w.startswith("parallelism: fsdp + activation_checkpointing: true (") for w in ways), ways
+
+
 def test_hsdp_shards_within_a_node_and_fsdp_over_every_rank():
     two_by_two = (gpus(count=2), gpus(count=2))
     hsdp = check(job(**GPT2_XL, parallelism="hsdp"), *two_by_two)["plan"]
