@@ -82,3 +82,18 @@ def test_a_user_owned_venv_directory_is_refused(tmp_path):
     got = look(tmp_path / "venv", "demo==1.0")
     assert got["trust"]["unsafe_inside"] == f"{tmp_path / 'venv'} is owned by uid 1234"
     assert not (tmp_path / "marker").exists()
+
+
+def test_the_look_reports_the_service_users_accounts_and_uid_min(tmp_path):
+    # The role refuses a service user that is an existing system account it did not create (issue 40):
+    # the look reads each user's uid and passwd comment, and the node's UID_MIN.
+    args = {"venv": str(tmp_path / "none"), "users": ["root", "no-such-user-budgetgpu"]}
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", LOOK.read_text(), json.dumps(args), TRUST.read_text()],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = json.loads(out)
+    assert got["users"]["root"]["uid"] == 0 and got["users"]["no-such-user-budgetgpu"] is None
+    assert isinstance(got["uid_min"], int) and got["uid_min"] >= 100
