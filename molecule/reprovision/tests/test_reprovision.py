@@ -61,7 +61,9 @@ def test_the_pull_entry_runs_ansible_pull_for_this_node_under_a_lock(host):
     schedule, user, command = cron_entry(host, PULL_FILE)
     assert (schedule, user) == ("17 4 * * *", "root")
     argv = shlex.split(command.split(" >> ")[0])
-    assert argv[:5] == ["flock", "-n", "-E", "75", "/var/log/budgetgpu/pull/nightly.lock"]
+    assert argv[:6] == ["flock", "-n", "-o", "-E", "75", "/var/log/budgetgpu/pull/nightly.lock"]
+    # The lock has a limit: ansible-pull ends at reprovision_timeout_seconds (unit test test_reprovision_pull_lock).
+    assert argv[6:9] == ["timeout", "--kill-after=60", "10800"]
     pull = argv[argv.index("ansible-pull") :]
     assert pull[pull.index("--url") + 1] == "https://git.example.org/ops/budgetgpu.git"
     assert pull[pull.index("--limit") + 1] == host.backend.get_hostname()
