@@ -10,7 +10,9 @@
 #   machine  the GPU, driver, python, torch; the device nodes and whether nvidia-uvm is loaded
 #   smoke    scripts/gpu-smoke: the probe against nvidia-smi, field by field (and gpu-probe --json saved)
 #   sandbox  scripts/gpu-smoke --sandbox-only (needs systemd as PID 1: says so where there is none)
-#   fsdp     tests/benchmarks/fsdp_memory.py: measured memory of GPT-2 under FSDP2 (NCCL, world size 1)
+#   fsdp     tests/benchmarks/fsdp_memory.py: measured memory of GPT-2 under FSDP2 (NCCL, world size 1), beside
+#            the training memory planner's figure; then scripts/gpu-smoke --fsdp: the example trainer as an fsdp
+#            job with bf16, its sharded checkpoint and its resume
 #   quant    scripts/gpu-smoke --quant: the inference worker loads a tiny model in 4 and 8 bits
 #   trainer  scripts/gpu-smoke --trainer: the example trainer with NCCL, once per gradient compression
 set -u
@@ -24,7 +26,7 @@ fi
 mkdir -p /tmp/np && ln -sfn "$PWD/plugins/module_utils" /tmp/np/budgetgpu_node
 export PYTHONPATH=/tmp/np:/tmp/site PYTHONUNBUFFERED=1
 
-wanted=" ${*:-machine smoke sandbox fsdp quant trainer} "
+wanted=" ${*:-machine smoke sandbox fsdp fsdp-job quant trainer} "
 part() {
   local name=$1 limit=$2 start rc
   shift 2
@@ -53,6 +55,7 @@ machine() {
   python3 scripts/gpu-probe --json >"$out/gpu-probe.json" 2>/dev/null
   part sandbox 30 python3 scripts/gpu-smoke --sandbox-only --python python3
   part fsdp 150 python3 tests/benchmarks/fsdp_memory.py --cases gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b
+  part fsdp-job 150 python3 scripts/gpu-smoke --fsdp --python python3
   part quant 100 python3 scripts/gpu-smoke --quant --python python3
   part trainer 200 python3 scripts/gpu-smoke --trainer --python python3
 } 2>&1 | tee "$out/device-check.txt"

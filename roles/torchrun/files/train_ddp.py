@@ -36,6 +36,14 @@ BUDGETGPU_CHECKPOINT_EVERY_MINUTES, BUDGETGPU_CHECKPOINT_EVERY_STEPS, BUDGETGPU_
 BUDGETGPU_STRAGGLER_EVERY_STEPS, BUDGETGPU_STATUS_FILE, and the communication settings
 (budgetgpu_node.straggler.CommSettings.from_env: BUDGETGPU_GRADIENT_COMPRESSION, BUDGETGPU_POWERSGD_RANK,
 BUDGETGPU_POWERSGD_START_STEP, BUDGETGPU_BUCKET_CAP_MB, BUDGETGPU_ACCUMULATE_STEPS).
+
+How the model is spread comes from the job too (budgetgpu_node.sharding.ShardSettings.from_env:
+BUDGETGPU_PARALLELISM, BUDGETGPU_MIXED_PRECISION, BUDGETGPU_STATE_PRECISION,
+BUDGETGPU_ACTIVATION_CHECKPOINTING). Under fsdp or hsdp every rank holds only its shards of the model, its
+gradients and its optimizer state, and every rank writes its shards of each checkpoint
+(step-<step>.dcp, a directory: torch.distributed.checkpoint), which the ranks load again at whatever world size
+the job restarts with (fsdp over several nodes: on the same layout, or from a directory every node shares);
+hsdp keeps a whole checkpoint on each node. At start the ranks take the newest step every node holds.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import io
+import math
 import os
 import re
 import signal
@@ -57,7 +66,8 @@ import torch
 import torch.distributed as dist
 
 # Installed beside this script (the script's directory is the first entry of sys.path).
-from budgetgpu_node.straggler import CommSettings, Finding, StepTimer, every_steps_from_env, wrap_ddp, write_status
+from budgetgpu_node.sharding import ShardSettings, Wrapped, load_sharded, local_shard_numel, save_sharded, wrap_model
+from budgetgpu_node.straggler import CommSettings, Finding, StepTimer, every_steps_from_env, write_status
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -127,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--layers, --data-workers and --data-delay must be >= 0")
     try:
         args.comm = CommSettings.from_env(env)
+        args.shard = ShardSettings.from_env(env)
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -341,6 +352,8 @@ class StopRequest:
     def __init__(self, check_s: float = STOP_CHECK_S) -> None:
         self.signal: int | None = None
         self.by_peer = False
+        # A checkpoint by minutes that any rank found due at the last agreement (sharded jobs save together).
+        self.checkpoint_due = False
         self.check_s = check_s
         self.next_check = 0
         self._last: tuple[int, float] | None = None
@@ -361,26 +374,38 @@ class StopRequest:
         per_step = (now - last[1]) / (step - last[0])
         return max(1, min(MAX_STOP_GAP, int(self.check_s / max(per_step, 1e-9))))
 
-    def agreed(self, ctx: Dist, step: int = 0) -> bool:
-        """Return whether any rank was asked to stop, as agreed at this step (False between agreements)."""
+    def agreed(self, ctx: Dist, step: int = 0, due: bool = False) -> bool:
+        """Return whether any rank was asked to stop, as agreed at this step (False between agreements).
+        `due`: this rank's clock says a checkpoint is due; checkpoint_due is then whether any rank's said so."""
         if not ctx.enabled:
+            self.checkpoint_due = due
             return self.signal is not None
         if step < self.next_check:
             return False
         seen = 1 if self.signal is not None else 0
         # MAX of the negated proposals: every rank takes the nearest next step any rank proposed.
-        flag = torch.tensor([seen, -(step + self._gap(step, time.monotonic()))], dtype=torch.int64, device=ctx.device)
+        proposal = [seen, -(step + self._gap(step, time.monotonic())), int(due)]
+        flag = torch.tensor(proposal, dtype=torch.int64, device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         stop, self.next_check = bool(flag[0].item()), -int(flag[1].item())
+        self.checkpoint_due = bool(flag[2].item())
         if stop and self.signal is None:
             self.by_peer = True
         return stop
 
 
-def restore(ctx: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> int:
-    """Load the newest checkpoint any node holds into model and optimizer; return its step."""
-    step, state, source = agree_on_resume(ctx, directory)
+def restore(ctx: Dist, wrapped: Wrapped, optimizer: torch.optim.Optimizer, directory: Path, keep: int = 3) -> int:
+    """Load the newest checkpoint into model and optimizer; return its step. DDP: the newest any node holds,
+    from that node; fsdp/hsdp: the newest sharded one every node holds, resharded to this world size."""
     writer = ctx.local_rank == 0
+    if wrapped.settings.sharded and ctx.enabled:
+        step = load_sharded(str(directory), wrapped, optimizer, keep)
+        if writer:
+            where = f"sharded checkpoint {directory}/step-{step:08d}.dcp" if step else f"no checkpoint in {directory}"
+            log(f"resumed from step {step} ({where})" if step else f"{where}: starting at step 0")
+        return step
+    model = wrapped.module.module if hasattr(wrapped.module, "module") else wrapped.module
+    step, state, source = agree_on_resume(ctx, directory)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -435,6 +460,8 @@ class Progress:
             log(f"step={step} loss={loss.item():.4f} world={ctx.world} restarts={ctx.restarts} steps_per_s={rate:.1f}")
         if self.status_file:
             status = {"step": step, "steps_per_s": round(rate, 3), "straggler": self.straggler, "world": ctx.world}
+            if ctx.device.type == "cuda":
+                status["peak_memory_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
             status.update(self.settings or {})
             status.update(self.breakdown or {})
             try:
@@ -443,37 +470,37 @@ class Progress:
                 log(f"warning: cannot write the status file {self.status_file}: {err}")
 
 
-def train_step(
-    ddp: nn.Module, optimizer: torch.optim.Optimizer, data: Any, ctx: Dist, timer: StepTimer, clip: float
-) -> torch.Tensor:
+def train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, data: Any, ctx: Dist, clip: float) -> torch.Tensor:
     """One optimizer step over accumulate_steps micro-batches from data; return the last one's loss.
     DDP all-reduces the gradients in buckets during the last backward (the earlier ones run under
-    no_sync), so communication overlaps compute; the timer splits the step (budgetgpu_node.straggler)."""
+    no_sync), so communication overlaps compute; FSDP reduce-scatters them; the timer splits the step
+    (budgetgpu_node.straggler)."""
+    timer = wrapped.timer
     optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros(())
-    for fwd_bwd in timer.micro_batches(ddp):
+    for fwd_bwd in wrapped.micro_batches():
         with timer.data():
             inputs, labels = next(data)
         with fwd_bwd:
-            loss = nn.functional.cross_entropy(ddp(inputs.to(ctx.device)), labels.to(ctx.device))
-            (loss / timer.accumulate_steps).backward()
-    with timer.compute():
-        nn.utils.clip_grad_norm_(ddp.parameters(), clip)
-        optimizer.step()
+            logits = wrapped.forward(inputs.to(ctx.device))
+            loss = nn.functional.cross_entropy(logits.float(), labels.to(ctx.device))
+            wrapped.backward(loss / timer.accumulate_steps)
+    wrapped.step(optimizer, clip)
     return loss.detach()
 
 
-def prepare(args: argparse.Namespace, ctx: Dist) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, StepTimer, int]:
-    """Return (model, its DDP, optimizer, timer, step) of a run, resumed from the newest checkpoint."""
-    model = make_model(args.hidden, args.seed, args.layers).to(ctx.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    step = restore(ctx, model, optimizer, Path(args.checkpoint_dir))
+def prepare(args: argparse.Namespace, ctx: Dist) -> tuple[Wrapped, torch.optim.Optimizer, int]:
+    """Return (the model as the job spreads it, optimizer, step) of a run, resumed from the newest checkpoint."""
+    model = make_model(args.hidden, args.seed, args.layers)
     timer = StepTimer(ctx.rank, ctx.world, ctx.device, args.straggler_every_steps, local_rank=ctx.local_rank)
     try:
-        ddp, timer = wrap_ddp(model, ctx.device, args.comm, timer=timer)
+        wrapped = wrap_model(model, ctx.device, args.shard, args.comm, timer=timer)
     except ValueError as err:
         raise SystemExit(f"rank {ctx.rank}: {err}") from None
-    return model, ddp, optimizer, timer, step
+    # After wrapping: FSDP replaces the parameters with its shards.
+    optimizer = torch.optim.SGD(wrapped.module.parameters(), lr=args.lr, momentum=0.9)
+    step = restore(ctx, wrapped, optimizer, Path(args.checkpoint_dir), args.keep_checkpoints)
+    return wrapped, optimizer, step
 
 
 def train(args: argparse.Namespace) -> int:
@@ -482,21 +509,34 @@ def train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     directory = Path(args.checkpoint_dir)
-    writer = ctx.local_rank == 0  # one writer per node: every node keeps its own copy
-    model, ddp, optimizer, timer, step = prepare(args, ctx)
+    wrapped, optimizer, step = prepare(args, ctx)
+    timer, sharded = wrapped.timer, wrapped.settings.sharded and ctx.enabled
+    # DDP: one writer per node, every node keeps its own copy; fsdp/hsdp: every rank writes its shards.
+    writer = sharded or ctx.local_rank == 0
     policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
     progress = Progress(ctx, step, time.monotonic(), args.status_file, settings=settings_status(args, ctx))
     data = iter(batches(args, ctx.rank, step, args.comm.accumulate_steps))
 
     def checkpoint(reason: str = "") -> None:
-        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        path = save_checkpoint(directory, step, state, args.keep_checkpoints)
+        if sharded:
+            path = save_sharded(str(directory), step, wrapped, optimizer, args.keep_checkpoints)
+            if ctx.local_rank != 0:
+                return
+        else:
+            model = wrapped.module.module if hasattr(wrapped.module, "module") else wrapped.module
+            state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            path = save_checkpoint(directory, step, state, args.keep_checkpoints)
         log(f"checkpoint step={step} path={path}{reason}")
 
     if ctx.rank == 0:
-        log(f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps}")
-    while step < args.max_steps and not stop.agreed(ctx, step):
-        loss = train_step(ddp, optimizer, data, ctx, timer, args.clip)
+        shard = args.shard
+        log(
+            f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps} "
+            f"parallelism={shard.parallelism} mixed_precision={shard.mixed_precision} "
+            f"params_local={local_shard_numel(wrapped.module)}"
+        )
+    while step < args.max_steps and not stop.agreed(ctx, step, policy.due(step, time.monotonic())):
+        loss = train_step(wrapped, optimizer, data, ctx, args.clip)
         step += 1
         line = timer.step_done()
         if line:
@@ -507,7 +547,10 @@ def train(args: argparse.Namespace) -> int:
         if ctx.rank == 0 and (step % args.log_every == 0 or line):
             progress.report(step, loss, step % args.log_every == 0)
         now = time.monotonic()
-        if writer and policy.due(step, now):
+        # Sharded: every rank saves at the same step, by steps (the same on every rank) or by minutes as agreed.
+        due = (policy.due(step, -math.inf) or stop.checkpoint_due) if sharded else policy.due(step, now)
+        stop.checkpoint_due = False
+        if writer and due:
             checkpoint()
             policy.saved(step, now)
         if args.step_sleep:
@@ -523,6 +566,8 @@ def settings_status(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
     comm = args.comm
     return {
         "backend": backend,
+        "parallelism": args.shard.parallelism,
+        "mixed_precision": args.shard.mixed_precision,
         "gradient_compression": comm.gradient_compression,
         "bucket_cap_mb": comm.bucket_cap_mb,
         "accumulate_steps": comm.accumulate_steps,

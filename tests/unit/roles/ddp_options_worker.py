@@ -24,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, sys.argv[1])  # roles/torchrun/files: the trainer
 import train_ddp  # noqa: E402
-from budgetgpu_node import straggler as helper  # noqa: E402  (tests/unit/node_package.py: on PYTHONPATH)
+from budgetgpu_node import sharding  # noqa: E402  (tests/unit/node_package.py: on PYTHONPATH)
+from budgetgpu_node import straggler as helper  # noqa: E402
 
 OPTIONS = {
     "none": helper.CommSettings(),
@@ -93,13 +94,14 @@ def train(base: torch.nn.Module, settings: helper.CommSettings, rank: int, slow_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     timer = helper.StepTimer(rank, 2, torch.device("cpu"), every=STEPS, local_rank=rank)
     ddp, timer = helper.wrap_ddp(model, "cpu", settings, timer=timer)
+    wrapped = sharding.Wrapped(ddp, ddp, timer, sharding.ShardSettings(), _sync=ddp)
     args = train_ddp.parse_args(["--batch-size", "64", "--max-steps", str(STEPS), "--data-workers", "1"])
     data = iter(train_ddp.batches(args, rank, 0, settings.accumulate_steps))
     losses, line = [], None
     WIRE.reset()
     for step in range(STEPS):
         WIRE.begin_step(step)
-        losses.append(float(train_ddp.train_step(ddp, optimizer, data, train_ddp.Dist(world=2), timer, 1.0)))
+        losses.append(float(train_ddp.train_step(wrapped, optimizer, data, train_ddp.Dist(world=2), 1.0)))
         line = timer.step_done() or line
     state = type(timer.comm_state).__name__
     # DDP averaged the same gradients on both ranks: their parameters are the same after training.
