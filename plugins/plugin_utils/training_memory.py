@@ -284,8 +284,10 @@ def _layout(
         nproc = job_nproc(job, node_info(hv if isinstance(hv, Mapping) else {}, host))
         facts = node_gpus(hostvars, host) or []
         used = [g for g in facts[: nproc or 0] if isinstance(g.get("memory_total_mib"), int)]
-        if not nproc or len(used) < nproc:
+        if not used:
             return None, [], f"no GPU memory in gpu_facts of {host} (run the probe; is the driver loaded?)"
+        if len(used) < nproc:  # the cluster check names nproc_per_node
+            return None, [], f"{host} has {len(used)} GPUs with memory in gpu_facts, the job runs {nproc} processes"
         nprocs.append(nproc)
         gpus += [(host, g) for g in used]
     if not hosts:

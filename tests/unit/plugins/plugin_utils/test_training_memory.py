@@ -255,6 +255,8 @@ def test_a_job_without_model_or_without_gpu_facts_is_not_planned_and_says_so():
     hostvars = {"node1": {"ansible_facts": {}}}
     result = tm.job_memory(job(**GPT2_XL), hostvars, {"gpu_nodes": ["node1"]})
     assert result["problems"] == [] and "no GPU memory in gpu_facts of node1" in result["line"]
+    result = check(job(**GPT2_XL, nproc_per_node=8))  # the cluster check names nproc_per_node
+    assert result["problems"] == [] and "node1 has 4 GPUs with memory in gpu_facts, the job runs 8" in result["line"]
 
 
 def test_the_check_reports_a_line_a_job_then_each_problem_in_preflights_form_and_skips_absent_jobs():
