@@ -28,5 +28,8 @@ class FilterModule:
             "slurm_gres_problems": as_filter(_slurm.gres_problems),
             "slurm_job_costs": as_filter(_slurm.job_costs),
             "slurm_preflight_problems": _slurm.preflight_problems,
+            "slurm_checkpoint_root_problems": _slurm.checkpoint_root_problems,
+            "slurm_secret_action": as_filter(_slurm.secret_action),
+            "slurm_record_line": _slurm.record_line,
             "slurm_batch_jobs": as_filter(_slurm_batch.batch_jobs),
         }

@@ -194,19 +194,59 @@ def slurm_nodes(
     hostvars: Mapping[str, Any],
     services: list[Mapping[str, Any]] | None = None,
     margin_pct: Any = DEFAULT_MEMORY_MARGIN_PCT,
+    absent: list[str] | None = None,
+    recorded: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Return slurm_node for every host, each with its own training jobs (its budgetgpu_jobs fact);
-    every bad host's problem in one ValueError."""
+    """Return slurm_node for every host, each with its own training jobs (its budgetgpu_jobs fact) and
+    proctrack_cgroup (whether its kernel lets Slurm track processes by cgroup: the role's _slurm_cgroup);
+    every bad host's problem in one ValueError. A host of absent (not in this run: down, unreachable, or failed
+    an earlier task) takes its last known entry from recorded (the hosts file an earlier run wrote, its
+    record_line comments), marked stale: its facts may have expired (fact_caching_timeout), and one node down
+    must not stop every host's Slurm configuration."""
     nodes, problems = [], []
+    last_known = recorded_nodes(recorded or "")
     for host in hosts:
+        if host in (absent or []) and host in last_known:
+            nodes.append({**last_known[host], "stale": True})
+            continue
         jobs = _facts(hostvars, host).get("budgetgpu_jobs")
         try:
-            nodes.append(slurm_node(hostvars, host, services, jobs if isinstance(jobs, list) else [], margin_pct))
+            node = slurm_node(hostvars, host, services, jobs if isinstance(jobs, list) else [], margin_pct)
         except ValueError as exc:
-            problems.append(str(exc))
+            why = " (not in this run: down or unreachable, and no earlier run recorded it)"
+            problems.append(str(exc) + (why if host in (absent or []) else ""))
+            continue
+        cgroup = (hostvars.get(host) or {}).get("_slurm_cgroup")
+        node["proctrack_cgroup"] = cgroup.get("proctrack_cgroup") if isinstance(cgroup, Mapping) else None
+        nodes.append(node)
     if problems:
         raise ValueError("; ".join(problems))
     return nodes
+
+
+# The hosts file (/etc/budgetgpu/slurm-hosts: "name address" lines for torchrun.sbatch) keeps each node's entry on
+# a comment line, read back for a node that is down on a later run. Not slurm.conf: its parser has a line limit.
+RECORD_PREFIX = "# budgetgpu-node "
+
+
+def record_line(node: Mapping[str, Any]) -> str:
+    """Return the node's entry (slurm_nodes, without stale) as one comment line of the hosts file."""
+    entry = {key: value for key, value in node.items() if key != "stale"}
+    return RECORD_PREFIX + json.dumps(entry, sort_keys=True, separators=(",", ":"))
+
+
+def recorded_nodes(conf: str) -> dict[str, dict[str, Any]]:
+    """Return {host: entry} of the record_line comments of a hosts file; lines that do not parse are skipped."""
+    found = {}
+    for line in conf.splitlines():
+        if line.startswith(RECORD_PREFIX):
+            try:
+                node = json.loads(line[len(RECORD_PREFIX) :])
+            except ValueError:
+                continue
+            if isinstance(node, dict) and isinstance(node.get("host"), str):
+                found[node["host"]] = node
+    return found
 
 
 def node_conf_line(node: Mapping[str, Any]) -> str:
@@ -383,3 +423,65 @@ def job_costs(records_by_host: Mapping[str, Any], price_per_kwh: Any = None, cur
     lines += [f"  job {j['job']} ({j['user']}, {j['gpus']} GPU(s) on {', '.join(j['nodes'])}): "
               f"{j['kwh']:.3f} kWh, {money(j['cost'])}" for j in by_cost]  # fmt: skip
     return {"jobs": by_cost, "users": per_user, "lines": lines}
+
+
+def checkpoint_root_problems(inputs: Mapping[str, Any]) -> list[str]:
+    """Return what is wrong with slurm_checkpoint_root on a node as it stands (the role makes it root's, 0755,
+    and the Prolog makes each user's directory in it): a link or not a directory, or a directory that already
+    holds other things than its users' directories (each a directory, not a link, named after its owner), such
+    as /var/lib/budgetgpu. inputs: host, root, stat (stat's result for the root, follow false), entries (find's
+    files of the root, depth 1, hidden included)."""
+    host, root, found = inputs.get("host"), inputs.get("root"), inputs.get("stat") or {}
+    label = f"{host}: slurm_checkpoint_root: found {root}"
+    if not found.get("exists"):
+        return []
+    if found.get("islnk") or not found.get("isdir"):
+        kind = "a link" if found.get("islnk") else "not a directory"
+        return [f"{label}, {kind}, expected a directory of its own (or none: the role makes it)"]
+    others = []
+    for entry in inputs.get("entries") or []:
+        name = str(entry.get("path", "")).rstrip("/").rsplit("/", 1)[-1]
+        if entry.get("isdir") and not entry.get("islnk") and entry.get("pw_name") == name:
+            continue
+        kind = "link" if entry.get("islnk") else "directory" if entry.get("isdir") else "file"
+        others.append(f"{name} ({kind} of {entry.get('pw_name', '?')})")
+    if not others:
+        return []
+    shown = ", ".join(sorted(others)[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return [
+        f"{label} holding {shown}, expected a directory of its own holding only its users' checkpoint directories "
+        "(each named after its owner): root makes a directory there for each user of a job, so it must not share "
+        "one with other things. Choose a directory of its own (the default /var/lib/budgetgpu/slurm-checkpoints)"
+    ]
+
+
+def secret_action(inputs: Mapping[str, Any]) -> dict[str, str]:
+    """Return {action: keep|install|refuse, reason} for one host's copy of a cluster secret (the munge key,
+    slurmdbd's password), by their SHA-256: cluster (the control node's copy), found (the host's, None
+    without one), installed (what the role recorded installing there, None where it never did), rotate (the
+    inventory asks to replace it). A copy the role never installed (the package's own random munge key) is
+    replaced; a copy that differs from one the role or someone else put there is refused unless rotate: a
+    second admin, a new laptop or sudo's home would otherwise push a new secret mid-run. inputs also: host,
+    what, path, source (the control node's file), variable (the rotation's variable)."""
+    cluster, found, installed = inputs.get("cluster"), inputs.get("found"), inputs.get("installed")
+    host, what, path = inputs.get("host"), inputs.get("what"), inputs.get("path")
+    if not cluster:
+        raise ValueError(f"{host}: found no {what} on the control node ({inputs.get('source')}), expected one")
+    if found == cluster:
+        return {"action": "keep", "reason": f"{path} holds the cluster's {what}"}
+    if not found:
+        return {"action": "install", "reason": f"{path} has no {what} yet"}
+    if not installed:
+        return {"action": "install", "reason": f"{path} holds a {what} the role never installed (the package's own)"}
+    if inputs.get("rotate"):
+        return {"action": "install", "reason": f"{inputs.get('variable')} asks to replace {path}"}
+    return {
+        "action": "refuse",
+        "reason": (
+            f"{host}: {path} holds another {what} than the control node's {inputs.get('source')}, expected the same: "
+            f"the control node's copy is not this cluster's (another admin's, another home's: point "
+            f"budgetgpu_state_dir at the cluster's, or remove it to take the controller's), or set "
+            f"{inputs.get('variable')}=true to replace the {what} on every host with the control node's. "
+            "Nothing changed"
+        ),
+    }

@@ -21,6 +21,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     JOB_DEFAULTS,
     JOB_NAME,
     TRAINING_KEYS,
+    USER_NAME,
     coerce_numbers,
     training_environment,
 )
@@ -35,6 +36,9 @@ BATCH_JOB_DEFAULTS: dict[str, Any] = {
     "gpus_per_node": 1,  # --gres=gpu[:type]:N on each; torchrun.sbatch starts one process per GPU
     "gpu_type": None,  # a GRES type of gres.conf (rtx3090): any type when not given
     "time": None,  # --time (minutes, HH:MM:SS, D-HH:MM:SS, UNLIMITED); the partition's limit when not given
+    # The Unix group whose members submit the job: they alone may read its environment file (0640). Required with
+    # `environment` (which may hold a token): the batch script every user can read holds no value of it.
+    "group": None,
     **{key: JOB_DEFAULTS[key] for key in TRAINING_KEYS},
 }
 BATCH_JOB_KEYS = frozenset(BATCH_JOB_DEFAULTS) | {"name"}
@@ -65,6 +69,10 @@ def _bad_slurm_fields(job: Mapping[str, Any], nodes: list[Mapping[str, Any]]) ->
     types = sorted({gpu["type"] for node in nodes for gpu in node.get("gpus") or []})
     if job.get("gpu_type") is not None and job["gpu_type"] not in types:
         bads.append(("gpu_type", job["gpu_type"], f"a GRES type of the nodes: {', '.join(types) or 'none'}", ""))
+    group = job.get("group")
+    if (group is not None or job.get("environment")) and not (isinstance(group, str) and USER_NAME.fullmatch(group)):
+        expected = "the Unix group whose members submit the job, e.g. ml-team"
+        bads.append(("group", group, expected, "its environment lands in a file only that group can read"))
     if job.get("time") is not None and not SLURM_TIME.fullmatch(str(job["time"])):
         bads.append(("time", job["time"], "minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED (sbatch --time)", ""))
     count, gpus = job.get("nodes"), job.get("gpus_per_node")
@@ -114,9 +122,10 @@ def batch_jobs(
     jobs: Any, nodes: list[Mapping[str, Any]], hostvars: Mapping[str, Any], host: str
 ) -> list[dict[str, Any]]:
     """Return slurm_jobs normalised, each with ``sbatch`` (its #SBATCH options), ``env`` (what its
-    script reads: training_environment, the venv, then the entry's environment) and ``argv`` (what
-    follows torchrun.sbatch: the script or --module and the arguments). ``nodes`` are the Slurm nodes
-    (slurm_nodes). ValueError naming host, job and field for every bad entry."""
+    script exports: training_environment, the venv), ``user_env`` (the entry's environment, which its script
+    reads from a file only ``group`` may read, after env) and ``argv`` (what follows torchrun.sbatch: the
+    script or --module and the arguments). ``nodes`` are the Slurm nodes (slurm_nodes). ValueError naming
+    host, job and field for every bad entry."""
     if jobs is None:
         return []
     if not isinstance(jobs, list):
@@ -133,12 +142,8 @@ def batch_jobs(
         raise ValueError("; ".join(problems))
     for job in normalised:
         job["sbatch"] = sbatch_options(job)
-        job["env"] = {
-            **training_environment(job),
-            "BUDGETGPU_VENV": str(job["venv"]),
-            "PYTHONUNBUFFERED": "1",
-            **{str(k): str(v) for k, v in job["environment"].items()},
-        }
+        job["env"] = {**training_environment(job), "BUDGETGPU_VENV": str(job["venv"]), "PYTHONUNBUFFERED": "1"}
+        job["user_env"] = {str(k): str(v) for k, v in job["environment"].items()}
         entry = ["--module", str(job["module"])] if job.get("module") else [str(job["script"])]
         job["argv"] = entry + [str(arg) for arg in job["args"]]
     return normalised

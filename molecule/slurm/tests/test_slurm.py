@@ -145,6 +145,38 @@ def test_a_job_spans_both_nodes() -> None:
     assert all(len(line.split()[1].split(",")) == 2 for line in lines)
 
 
+def test_slurmd_gives_up_on_the_prolog_and_epilog_at_the_roles_timeout() -> None:
+    config = host(CONTROLLER).check_output("scontrol show config")
+    assert re.search(r"^PrologEpilogTimeout\s*=\s*60\b", config, re.MULTILINE), config
+
+
+def test_a_jobs_environment_is_in_a_file_only_its_group_may_read() -> None:
+    node = host("slurm-node1")
+    env = node.file("/opt/budgetgpu/slurm/jobs/resume-demo.env")
+    assert (env.user, env.group, env.mode) == ("root", "nogroup", 0o640)
+    assert "not-a-real-token" not in node.file("/opt/budgetgpu/slurm/jobs/resume-demo.sbatch").content_string
+    assert node.run("runuser -u ana -- cat /opt/budgetgpu/slurm/jobs/resume-demo.env").rc != 0
+    assert "not-a-real-token" in node.check_output("runuser -u nobody -- cat /opt/budgetgpu/slurm/jobs/resume-demo.env")
+
+
+def test_a_differing_munge_key_on_a_node_is_refused_and_nothing_changes(playbook) -> None:
+    """A node whose munge key is not the one the role installed (the control node's copy is another admin's, or
+    someone changed the node's): the run refuses it, naming the host, the file and slurm_munge_key_rotate, and
+    leaves the key as it found it. (munged keeps the key it read at its start: the cluster still works.)"""
+    node = host("slurm-node2")
+    key = "/etc/munge/munge.key"
+    node.check_output(f"cp -p {key} /root/munge.key.kept && head -c 1024 /dev/urandom > {key}")
+    try:
+        other = node.check_output(f"sha256sum {key}").split()[0]
+        done = playbook("slurm.yml", "--tags", "slurm_install", "--limit", "localhost,slurm-node2")
+        assert done.returncode != 0
+        said = f"slurm-node2: {key} holds another munge key than the control node's"
+        assert said in done.stdout and "slurm_munge_key_rotate=true" in done.stdout, done.stdout[-3000:]
+        assert node.check_output(f"sha256sum {key}").split()[0] == other
+    finally:
+        node.check_output(f"cp -p /root/munge.key.kept {key} && rm /root/munge.key.kept")
+
+
 def test_one_munge_key_everywhere() -> None:
     sums = set()
     for name in (CONTROLLER, *NODES):
@@ -223,7 +255,7 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
     example train_ddp.py, gloo on CPU, one process per node) that Slurm requeues after its first
     checkpoint: the requeue's SIGTERM stops it at one step with a
     checkpoint, the same job id starts again and resumes from that step, and finishes. Its checkpoints lie in
-    <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes."""
+    <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes. Its environment file (group nogroup) was read."""
     if not host("slurm-node1").file("/opt/budgetgpu/venv/bin/torchrun").exists:
         # Only where converge made no venv on purpose (Debian 13: no torch for its Python in the wheelhouse).
         assert host("slurm-node1").file("/etc/debian_version").content_string.startswith("13"), "no torch venv"
@@ -276,8 +308,9 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
     mine = "/var/lib/budgetgpu/slurm-checkpoints/nobody"
     for name in NODES:
         # Root's, the sticky root only where users may write: its parent was made 1777 by the file module once.
+        # Root's alone: the Prolog (root) made nobody's directory there, no user could take its name first.
         parents = host(name).check_output("stat -c '%U %a' /var/lib/budgetgpu /var/lib/budgetgpu/slurm-checkpoints")
-        assert parents.splitlines() == ["root 755", "root 1777"], (name, parents)
+        assert parents.splitlines() == ["root 755", "root 755"], (name, parents)
         found = host(name).run(f"stat -c '%U %a' {mine} && ls {mine}/{job}")
         assert found.rc == 0 and found.stdout.startswith("nobody 700\n"), (name, found.stdout, found.stderr)
         assert "step-00000150.pt" in found.stdout, (name, found.stdout)

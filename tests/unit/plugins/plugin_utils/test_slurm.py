@@ -294,3 +294,91 @@ def test_every_slurm_input_problem_names_the_host_and_the_variable():
         "ctl: slurm_checkpoint_root: found null, expected an absolute directory without spaces"
         " (each job keeps its checkpoints in <root>/<user>/<job id>)",
     ]
+
+
+def test_a_node_down_keeps_its_last_known_entry_and_is_marked_stale():
+    """node2 is down at night: its cached facts expired an hour after the last run. Its entry from the hosts
+    file the last run wrote stands in, marked stale, and node1 is configured from its facts as ever (before,
+    every host's Slurm configuration failed on node2's missing facts)."""
+    cgroup = {"_slurm_cgroup": {"proctrack_cgroup": True}}
+    both = {**hostvars({**TWO_SOCKETS, **MIXED}, **{"node2": {}}), "node1": {**hostvars(MIXED)["node1"], **cgroup}}
+    both["node1"]["ansible_facts"] = {**TWO_SOCKETS, **MIXED}
+    last_run = slurm.slurm_node(both, "node1")
+    recorded = "\n".join(
+        [
+            "# header",
+            "node2 10.0.0.12",
+            slurm.record_line({**last_run, "host": "node2", "name": "node2", "stale": True}),
+        ]
+    )
+    nodes = slurm_nodes(["node1", "node2"], both, absent=["node2"], recorded=recorded)
+    assert [(node["host"], "stale" in node) for node in nodes] == [("node1", False), ("node2", True)]
+    assert nodes[0]["proctrack_cgroup"] is True
+    assert node_conf_line(nodes[1]).startswith("NodeName=node2 NodeAddr=10.0.0.11 CPUs=32 ")
+    assert gres_conf_lines(nodes[1])[0].startswith("NodeName=node2 Name=gpu Type=rtx3090 File=/dev/nvidia0")
+    assert "stale" not in slurm.record_line(nodes[1])
+    # Down and never recorded: refused, saying why.
+    with pytest.raises(ValueError, match=r"node2: found processor_vcpus None.*\(not in this run: down or unreachable"):
+        slurm_nodes(["node1", "node2"], both, absent=["node2"], recorded="# nothing\n")
+    # In this run, a host without facts is refused whatever the record says.
+    with pytest.raises(ValueError, match="node2: found processor_vcpus None, expected the CPU count .gather facts.$"):
+        slurm_nodes(["node1", "node2"], both, absent=[], recorded=recorded)
+
+
+def test_recorded_nodes_skip_what_does_not_parse():
+    text = (
+        '# budgetgpu-node {"host": "n1", "name": "n1"}\n# budgetgpu-node {not json\n# budgetgpu-node [1]\nn1 10.0.0.1\n'
+    )
+    assert slurm.recorded_nodes(text) == {"n1": {"host": "n1", "name": "n1"}}
+
+
+MUNGE = {"host": "node2", "what": "munge key", "path": "/etc/munge/munge.key", "source": "/home/a/.budgetgpu/munge.key",
+         "variable": "slurm_munge_key_rotate", "cluster": "c" * 64, "rotate": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("found", "installed", "rotate", "action"),
+    [
+        ("c" * 64, "c" * 64, False, "keep"),
+        ("", "", False, "install"),  # no key yet
+        ("d" * 64, "", False, "install"),  # the package's own random key: never a cluster's
+        ("d" * 64, "d" * 64, False, "refuse"),  # the key the role installed, another than the control node's
+        ("e" * 64, "d" * 64, False, "refuse"),  # changed by someone since
+        ("d" * 64, "d" * 64, True, "install"),  # a rotation asked for
+    ],
+)
+def test_a_cluster_secret_that_differs_is_refused_unless_a_rotation_is_asked(found, installed, rotate, action):
+    assert slurm.secret_action({**MUNGE, "found": found, "installed": installed, "rotate": rotate})["action"] == action
+
+
+def test_the_refusal_names_host_file_and_variable_and_no_control_copy_is_an_error():
+    said = slurm.secret_action({**MUNGE, "found": "d" * 64, "installed": "d" * 64})["reason"]
+    assert said.startswith("node2: /etc/munge/munge.key holds another munge key than the control node's /home/a/")
+    assert "slurm_munge_key_rotate=true" in said and said.endswith("Nothing changed")
+    with pytest.raises(ValueError, match="node2: found no munge key on the control node"):
+        slurm.secret_action({**MUNGE, "cluster": ""})
+
+
+def entry(name: str, owner: str, kind: str = "directory") -> dict:
+    return {"path": f"/srv/ckpt/{name}", "pw_name": owner, "isdir": kind == "directory", "islnk": kind == "link"}
+
+
+def test_a_checkpoint_root_holding_only_its_users_directories_is_accepted():
+    ok = {"host": "n1", "root": "/srv/ckpt", "stat": {"exists": True, "isdir": True, "islnk": False}}
+    assert slurm.checkpoint_root_problems({**ok, "entries": [entry("ana", "ana"), entry("ben", "ben")]}) == []
+    assert slurm.checkpoint_root_problems({**ok, "stat": {"exists": False}}) == []
+
+
+def test_a_checkpoint_root_that_holds_other_things_or_is_a_link_is_refused():
+    """/var/lib/budgetgpu as the checkpoint root (which preflight accepted): root would make users' directories
+    beside its own records."""
+    root = {"host": "n1", "root": "/var/lib/budgetgpu", "stat": {"exists": True, "isdir": True, "islnk": False}}
+    found = [entry("slurm-jobs", "root"), entry("rapl", "root"), entry("ana", "ana"), entry("ben", "ana"),
+             entry("x", "ben", "link"), entry("notes", "root", "file")]  # fmt: skip
+    (said,) = slurm.checkpoint_root_problems({**root, "entries": found})
+    assert said.startswith(
+        "n1: slurm_checkpoint_root: found /var/lib/budgetgpu holding ben (directory of ana), notes (file of root), "
+        "rapl (directory of root), slurm-jobs (directory of root), x (link of ben), expected a directory of its own"
+    )
+    link = {**root, "stat": {"exists": True, "islnk": True}}
+    assert "a link, expected a directory of its own" in slurm.checkpoint_root_problems({**link, "entries": []})[0]

@@ -36,7 +36,8 @@ def refusal(jobs: list, hostvars: dict | None = None) -> str:
 def test_a_job_gets_its_sbatch_options_and_the_training_environment_of_the_job_model():
     job = one(
         {"name": "pretrain", "script": "/srv/train.py", "args": ["--epochs", 3], "nodes": "2", "gpus_per_node": 2,
-         "gpu_type": "rtx3090", "time": "1-00:00:00", "gradient_compression": "fp16", "environment": {"SEED": 7}}
+         "gpu_type": "rtx3090", "time": "1-00:00:00", "gradient_compression": "fp16", "environment": {"SEED": 7},
+         "group": "ml-team"}
     )  # fmt: skip
     assert job["sbatch"] == ["--job-name=pretrain", "--nodes=2", "--gres=gpu:rtx3090:2", "--time=1-00:00:00"]
     assert job["argv"] == ["/srv/train.py", "--epochs", "3"]
@@ -45,7 +46,9 @@ def test_a_job_gets_its_sbatch_options_and_the_training_environment_of_the_job_m
     unit_env = torchrun_environment({**unit, "state_dir": "/x"}, "node1", {})
     shared = {key: unit_env[key] for key in unit_env if key.startswith("BUDGETGPU_") and key in job["env"]}
     assert len(shared) == 8 and shared["BUDGETGPU_GRADIENT_COMPRESSION"] == "fp16"
-    assert job["env"]["BUDGETGPU_VENV"] == "/opt/budgetgpu/venv" and job["env"]["SEED"] == "7"
+    assert job["env"]["BUDGETGPU_VENV"] == "/opt/budgetgpu/venv" and job["user_env"] == {"SEED": "7"}
+    # The entry's environment is not among what every user's copy of the script exports.
+    assert "SEED" not in job["env"]
 
 
 def test_a_module_job_without_gpus_or_a_type_asks_slurm_for_what_it_said():
@@ -75,7 +78,11 @@ def test_none_is_no_jobs():
         ({"accumulate_steps": 0}, "slurm_jobs[j].accumulate_steps: found 0"),
         ({"script": None}, "slurm_jobs[j].script: found 'script=None, module=None', expected exactly one of script"),
         ({"venv": "venv"}, "slurm_jobs[j].venv: found 'venv', expected an absolute path"),
-        ({"environment": {"A B": 1}}, "slurm_jobs[j].environment.A B"),
+        ({"environment": {"A B": 1}, "group": "g"}, "slurm_jobs[j].environment.A B"),
+        ({"environment": {"TOKEN": "x"}},
+         "slurm_jobs[j].group: found None, expected the Unix group whose members submit the job, e.g. ml-team (its "
+         "environment lands in a file only that group can read)"),
+        ({"group": "Bad Group"}, "slurm_jobs[j].group: found 'Bad Group'"),
         ({"gpus": 2}, "slurm_jobs[j].gpus: found 2, expected one of the known keys"),
     ],
 )  # fmt: skip
@@ -100,36 +107,41 @@ def test_every_bad_job_is_named_and_two_of_one_name_are_refused():
 
 
 RENDER = """\
-- name: Render a batch script as role slurm does
+- name: Render a batch script and its environment as role slurm does
   hosts: all
   gather_facts: false
   tasks:
-    - name: Render the job's script
+    - name: Render the job's script and environment
       ansible.builtin.template:
-        src: "{{ test_repo }}/roles/slurm/templates/slurm-job.sbatch.j2"
-        dest: "{{ test_out }}"
-        mode: "0755"
+        src: "{{ test_repo }}/roles/slurm/templates/{{ item }}"
+        dest: "{{ test_out }}/{{ item }}"
+        mode: "0644"
+      loop: [slurm-job.sbatch.j2, slurm-job-environment.j2]
       vars:
         role_path: "{{ test_repo }}/roles/slurm"
         _slurm_home: /opt/s
-        _slurm_jobs_dir: /opt/s/jobs
+        _slurm_jobs_dir: "{{ test_out }}"
         job: "{{ test_jobs | budgetgpu.cluster.slurm_batch_jobs(test_nodes, {}, inventory_hostname) | first }}"
 """
 
 
 def render(tmp_path: Path, job: dict) -> str:
-    """The role's template as Ansible renders it, for the job through the filter."""
-    out = tmp_path / "job.sbatch"
-    variables = {"test_repo": str(REPO), "test_out": str(out), "test_jobs": [job], "test_nodes": NODES}
+    """The role's templates as Ansible renders them, for the job through the filter: the script's text (the
+    environment file lies beside it as <job>.env, where the script looks)."""
+    variables = {"test_repo": str(REPO), "test_out": str(tmp_path), "test_jobs": [job], "test_nodes": NODES}
     result = run_playbook(tmp_path, RENDER, variables)
     assert result.returncode == 0, output_of(result)
-    return out.read_text()
+    (tmp_path / "slurm-job-environment.j2").rename(tmp_path / f"{job['name']}.env")
+    return (tmp_path / "slurm-job.sbatch.j2").read_text()
 
 
 def test_the_batch_script_carries_torchrun_sbatchs_options_and_hands_it_the_environment(tmp_path):
     job = {"name": "q", "script": "/srv/my train.py", "args": ["--lr", "1e-3; rm -rf /"], "nodes": 2,
-           "environment": {"NOTE": "it's $HOME"}}  # fmt: skip
+           "environment": {"NOTE": "it's $HOME"}, "group": "ml-team"}  # fmt: skip
     text = render(tmp_path, job)
+    # The entry's environment is in the file only its group reads, not in the script every user reads.
+    assert "it's" not in text and "NOTE" not in text
+    assert "NOTE='it'\"'\"'s $HOME'" in (tmp_path / "q.env").read_text()
     # torchrun.sbatch's own lines, then the job's; sbatch reads them up to the first command.
     assert [line for line in text.splitlines() if line.startswith("#SBATCH")] == [
         "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "#SBATCH --open-mode=append",
