@@ -50,7 +50,8 @@ def _local_users(entry: Mapping[str, Any], passwd: Mapping[str, Any] | None) -> 
         return {"local": None, "local_uids": None, "local_unknown": []}
     if isinstance(names, str) or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"firewall {entry.get('what')}: local: found {names!r}, expected a list of user names")
-    users = passwd or {}
+    # getent with a key that is not found (fail_key: false) leaves the name with None in the fact.
+    users = {name: fields for name, fields in (passwd or {}).items() if fields}
     uids = sorted({int(users[name][1]) for name in names if name in users} - {0})
     return {"local": list(names), "local_uids": [0, *uids], "local_unknown": [n for n in names if n not in users]}
 

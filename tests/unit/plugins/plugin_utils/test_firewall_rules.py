@@ -95,6 +95,9 @@ def test_local_users_become_uids_with_root_first_and_unknown_names_are_listed():
     rule = firewall_rules([entry], HOSTVARS, PASSWD)[0]
     assert rule["local_uids"] == [0, 33, 998]
     assert rule["local_unknown"] == ["nobody-yet"]
+    # A name getent looked up by key and did not find (fail_key: false, an earlier role's) is unknown.
+    looked_up = firewall_rules([entry], HOSTVARS, {**PASSWD, "nobody-yet": None})[0]
+    assert looked_up["local_uids"] == [0, 33, 998] and looked_up["local_unknown"] == ["nobody-yet"]
     # An empty list: root alone (Alertmanager's cluster port, which is off).
     off = firewall_rules([{"port": 9094, "what": "cluster", "local": []}], HOSTVARS, PASSWD)[0]
     assert off["local_uids"] == [0] and off["local_unknown"] == []
