@@ -230,3 +230,22 @@ def test_callers_name_who_may_connect_from_the_node():
     # The training table: the rendezvous and test ports to the node's job users (a template), the
     # ephemeral range (NCCL/gloo, a Slurm job's own ranks) to every local user.
     assert "map(attribute='user')" in local["nccl_network"][0] and local["nccl_network"][1] is None
+
+
+def test_the_next_run_writes_the_same_table_and_a_host_gone_down_changes_nothing_but_its_facts_source():
+    entry = {
+        "port": [6817, "60001-60100"],
+        "what": "Slurm",
+        "only": "cluster",
+        "hosts": ["monitor", "node1"],
+        "extra": [],
+    }
+    first = render([entry], "budgetgpu_slurm", passwd=PASSWD)
+    # The next run reads the file back: the same text (the idempotence step of every scenario).
+    assert render([entry], "budgetgpu_slurm", passwd=PASSWD, recorded=first) == first
+    # node1 is down the night after: no facts, its record keeps the table as it was.
+    down = dict(HOSTVARS)
+    del down["node1"]
+    rules_down = firewall_rules([entry], down, PASSWD, first)
+    assert rules_down[0]["stale"] == ["node1"]
+    assert rules_down[0]["allow"] == firewall_rules([entry], HOSTVARS, PASSWD, first)[0]["allow"]
