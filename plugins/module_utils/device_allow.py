@@ -20,6 +20,14 @@ is listed as "nvidia" and "nvidiactl" (and "nvidia-modeset"), and 550 added the 
 "nvidia-caps-imex-channels". "nvidia-uvm", "nvidia-caps", "nvidia-nvlink" and
 "nvidia-nvswitch" have dynamic majors. An NVIDIA group is any /proc/devices character group
 whose name starts with "nvidia" (as the NVIDIA container toolkit reads it).
+
+A GPU belongs to the unit that holds it (issue 40): a group rule on major 195 would open every GPU, so a
+unit names its own GPUs by node (`/dev/char/195:N`, N the GPU's minor, parsed without a stat: the node
+may not exist yet when the unit starts) and the control nodes of that major (/dev/nvidiactl 195:255,
+/dev/nvidia-modeset 195:254) the same way; the other NVIDIA groups (uvm, caps, nvlink) hold no GPU and
+stay group rules. The device files themselves are mode 0660, group GPU_GROUP (the driver's
+NVreg_DeviceFileMode/NVreg_DeviceFileGID, role nvidia_driver): the units get the group with
+SupplementaryGroups=.
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 NVIDIA_PREFIX = "nvidia"
+# The driver's fixed major (NV_MAJOR_DEVICE_NUMBER): the GPUs (minor N = /dev/nvidiaN) and the control nodes.
+GPU_MAJOR = 195
+CONTROL_MINORS = {"nvidiactl": 255, "nvidia-modeset": 254}
+# The one name of the group that owns the NVIDIA device files (the cluster-wide input budgetgpu_gpu_group
+# overrides it, read through the gpu_group filter), and their mode.
+GPU_GROUP = "budgetgpu-gpu"
+DEVICE_FILE_MODE = "0660"
 # CUDA opens the GPU nodes read-write.
 NEEDED_ACCESS = "rw"
 _DEV_CHAR = re.compile(r"^/dev/(char|block)/(\d+):(\d+)$")
@@ -160,16 +175,30 @@ def nvidia_groups(groups: dict[str, list[tuple[int, str]]]) -> list[tuple[int, s
     return [(major, name) for major, name in groups.get("char", []) if name.startswith(NVIDIA_PREFIX)]
 
 
-def uncovered_groups(device_allow: Iterable[str], proc_devices: str) -> list[tuple[int, str]]:
-    """Return the NVIDIA groups of /proc/devices (its text) whose major DeviceAllow= does not open rw.
+def gpu_device_allow(minors: Iterable[int]) -> list[str]:
+    """Return the DeviceAllow= entries of the GPUs with these minors and of the control nodes on their major."""
+    wanted = sorted(set(CONTROL_MINORS.values()) | {int(minor) for minor in minors})
+    return [f"/dev/char/{GPU_MAJOR}:{minor} rw" for minor in wanted]
 
-    Node paths do not count: they open single minors, and a group's nodes come and go with its GPUs.
+
+def uncovered_groups(device_allow: Iterable[str], proc_devices: str) -> list[tuple[int, str]]:
+    """Return the NVIDIA groups of /proc/devices (its text) that DeviceAllow= leaves closed: those whose
+    major it does not open rw, except the GPU major, which counts as open when /dev/nvidiactl (195:255) is:
+    a unit opens its own GPUs there node by node (gpu_device_allow).
+
+    Other node paths do not count: they open single minors, and a group's nodes come and go with its GPUs.
     """
     groups = parse_proc_devices(proc_devices)
-    majors = allowed_majors(parse_device_allow(device_allow), groups)
+    rules = parse_device_allow(device_allow)
+    majors = allowed_majors(rules, groups)
     if -1 in majors:
         return []
-    return [(major, name) for major, name in nvidia_groups(groups) if major not in majors]
+    control = (GPU_MAJOR, CONTROL_MINORS["nvidiactl"]) in allowed_nodes(rules, stat_char=lambda _path: None)
+    return [
+        (major, name)
+        for major, name in nvidia_groups(groups)
+        if major not in majors and not (major == GPU_MAJOR and control)
+    ]
 
 
 def uncovered_message(uncovered: list[tuple[int, str]], where: str = "DeviceAllow=") -> str:
@@ -177,9 +206,15 @@ def uncovered_message(uncovered: list[tuple[int, str]], where: str = "DeviceAllo
     if not uncovered:
         return f"{where} opens every NVIDIA device group in /proc/devices"
     names = ", ".join(f"{name} (major {major})" for major, name in uncovered)
-    # One group per major is enough: systemd opens every minor of a matching group's major.
+    # One group per major is enough: systemd opens every minor of a matching group's major. The GPU major by
+    # its control node alone: a group rule there would open every GPU.
     first_by_major = dict(reversed(uncovered))
-    entries = ", ".join(f"char-{first_by_major[major]} rw" for major in dict.fromkeys(m for m, _n in uncovered))
+    entries = ", ".join(
+        f"/dev/char/{GPU_MAJOR}:{CONTROL_MINORS['nvidiactl']} rw"
+        if major == GPU_MAJOR
+        else f"char-{first_by_major[major]} rw"
+        for major in dict.fromkeys(m for m, _n in uncovered)
+    )
     return (
         f"{where} does not open the NVIDIA device groups {names}: a unit with DevicePolicy=closed cannot "
         f"open their /dev nodes; add {entries} to torchrun_device_allow"

@@ -55,6 +55,10 @@ OTHER_INPUTS = {
     "budgetgpu_cluster_subnet": {"type": "str"},
     "budgetgpu_cluster_interface": {"type": "str"},
     "budgetgpu_user": {"type": "str"},
+    # the group of the GPU device files (filter gpu_group; default module_utils/device_allow.py GPU_GROUP) and the
+    # users made its members (Slurm's users): roles nvidia_driver, torchrun, inference, gpu_health, slurm
+    "budgetgpu_gpu_group": {"type": "str"},
+    "budgetgpu_gpu_users": {"type": "list", "elements": "str"},
     "budgetgpu_simulated": {"type": "bool"},
     "budgetgpu_sysfs_root": {"type": "path"},
     "budgetgpu_safe_mode": {"type": "bool"},

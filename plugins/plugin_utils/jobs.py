@@ -38,6 +38,7 @@ from typing import Any
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.job_metrics import unit_running
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.gpu_devices import unit_device_allow
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -428,6 +429,10 @@ def torchrun_plan(
             item["argv"] = torchrun_argv(job, host, groups, nodes, launcher)
             item["exec_start"] = systemd_exec(item["argv"])
             item["env"] = torchrun_environment(job, host, nodes)
+            # The GPUs the job's ranks run on (gpu_health.start_plan: 0..nproc-1), the only ones its unit opens.
+            node = nodes.get(host) or {}
+            item["gpu_indices"] = list(range(job_nproc(job, node) or 0))
+            item["device_allow"] = unit_device_allow(node.get("gpus"), item["gpu_indices"])
         plan.append(item)
     return plan
 

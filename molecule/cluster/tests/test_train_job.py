@@ -237,6 +237,49 @@ def test_checkpoints_appear_on_every_node():
         assert sh(node, f"ls -a {CKPT_DIR}").count(".tmp") == 0
 
 
+# Opens each GPU device node (no driver behind them: ENXIO where the open got through, EPERM where the device
+# cgroup denied it, EACCES where the file's mode did).
+OPEN_GPUS = """
+import errno, glob, json, os
+answers = {}
+for path in sorted(glob.glob("/dev/nvidia[0-9]*")):
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+        answers[path] = "opened"
+    except OSError as err:
+        answers[path] = errno.errorcode[err.errno]
+print(json.dumps(answers))
+"""
+
+
+def test_the_gpu_device_files_are_not_open_to_every_user():
+    """Issue 40 item 3: root's, mode 0660, of the GPU group (role nvidia_driver's options, made by gpu_sim's
+    driver as the real one makes them); the job's user is no member: outside its unit it opens no GPU."""
+    for node in NODES:
+        modes = sh(node, "stat -c '%n %U %G %a' /dev/nvidia[0-9]*").split("\n")[:-1]
+        assert modes == [f"/dev/nvidia{i} root budgetgpu-gpu 660" for i in range(4)], modes
+        assert "budgetgpu-gpu" not in sh(node, "id -Gn budgetgpu")
+        found = json.loads(sh(node, f"runuser -u budgetgpu -- python3 -c {shlex.quote(OPEN_GPUS)}"))
+        assert set(found.values()) == {"EACCES"}, found
+
+
+def test_a_training_job_opens_only_the_gpus_of_its_ranks():
+    """The job runs 2 ranks on GPUs 0 and 1 of each node's 4: a process in its unit (its device cgroup, as the
+    job's user with the unit's GPU group) opens those two, and GPUs 2 and 3 (an inference worker's, say) not."""
+    for node in NODES:
+        unit = sh(node, f"cat /etc/systemd/system/{UNIT}")
+        assert "SupplementaryGroups=budgetgpu-gpu" in unit and "char-nvidia rw" not in unit
+        path = next(line.split(":", 2)[2] for line in sh(node, f"cat /proc/{show(node, 'MainPID')}/cgroup").split()
+                    if line.split(":")[1] == "devices")  # fmt: skip
+        inside = (
+            f"echo $$ > /sys/fs/cgroup/devices{path}/cgroup.procs && exec setpriv --reuid budgetgpu --regid budgetgpu"
+            f" --groups budgetgpu-gpu python3 -c {shlex.quote(OPEN_GPUS)}"
+        )
+        found = json.loads(sh(node, inside))
+        assert found == {"/dev/nvidia0": "ENXIO", "/dev/nvidia1": "ENXIO", "/dev/nvidia2": "EPERM",
+                         "/dev/nvidia3": "EPERM"}, (node, found)  # fmt: skip
+
+
 def reports(lines: list[str]) -> list[tuple[str, str]]:
     """(line, host named) of rank 0's straggler reports in lines."""
     return [(m[0], m[2] or m[3]) for line in lines if (m := REPORT.match(line))]
@@ -300,6 +343,8 @@ def test_a_throttled_node_is_named_the_straggler_and_the_status_shows_it():
     assert re.search(r"job e2e: unit budgetgpu-job-e2e\.service active \(running\)", out), out[-3000:]
     # The simulated GPUs' energy counters, recorded at the unit's start, against now: on both nodes.
     assert out.count("energy since the job started: ") == 2, out[-3000:]
+    # The training memory planner's line (plugin_utils/training_memory.py): e2e gives no model to plan.
+    assert " ".join(out.split()).count("memory: not planned: the job gives no model") == 2, out[-3000:]
     status = json.loads(sh("cluster-node1", "cat /var/lib/budgetgpu/jobs/e2e/status.json"))
     assert status["step"] > 0 and status["steps_per_s"] > 0 and status["world"] == 4
     # What the health watch exports as the job's metrics (job_metrics.py): every rank's compute time
@@ -378,6 +423,13 @@ def test_a_rebooted_node_starts_the_job_at_boot_and_it_resumes(reboot):
         assert stopped_at[-1] in checkpoints("cluster-node1") and step_at == stopped_at[-1]
     assert step_at >= saved_before > 0
     assert logged_before_resume(before) - step_at <= CKPT_EVERY + LOG_EVERY
+
+
+def test_the_rebooted_node_has_its_gpu_device_files_made_with_the_drivers_options():
+    """A container's /dev is new at each start, as the driver makes its nodes at each boot: gpu_sim's boot unit
+    made them again from modprobe.d's options (role nvidia_driver's), no role ran since."""
+    modes = sh("cluster-node2", "stat -c '%n %U %G %a' /dev/nvidia[0-9]*").split("\n")[:-1]
+    assert modes == [f"/dev/nvidia{i} root budgetgpu-gpu 660" for i in range(4)], modes
 
 
 def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit():

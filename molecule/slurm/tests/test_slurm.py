@@ -50,9 +50,9 @@ def sinfo() -> dict[str, tuple[str, str]]:
     return {n: (g, t) for n, g, t in (line.split("|") for line in out.splitlines())}
 
 
-def srun(args: str, command: str) -> subprocess.CompletedProcess[str]:
+def srun(args: str, command: str, user: str = "nobody") -> subprocess.CompletedProcess[str]:
     """Run srun on the controller (so its I/O ports cross the firewall from the nodes) as a user."""
-    return host(CONTROLLER).run(f"runuser -u nobody -- timeout 120 srun {args} bash -c {shlex.quote(command)}")
+    return host(CONTROLLER).run(f"runuser -u {user} -- timeout 120 srun {args} bash -c {shlex.quote(command)}")
 
 
 @pytest.mark.parametrize("name", NODES)
@@ -86,8 +86,9 @@ def test_real_memory_lies_below_what_slurmd_detects() -> None:
 
 
 # Opens each GPU device node from inside a job step. With no driver behind them, a node the device
-# cgroup allows answers ENXIO; one it denies, EPERM. Also what Slurm says it granted: the GPUs' gres.conf
-# indices (File=/dev/nvidiaN in order on these nodes) and CUDA_VISIBLE_DEVICES.
+# cgroup allows answers ENXIO; one it denies, EPERM; one whose mode (0660, the GPU group) refuses the user, EACCES.
+# Also what Slurm says it granted: the GPUs' gres.conf indices (File=/dev/nvidiaN in order on these nodes) and
+# CUDA_VISIBLE_DEVICES. The jobs run as ana, a member of the GPU group (budgetgpu_gpu_users).
 OPEN_GPUS = """
 import errno, glob, json, os
 answers = {}
@@ -102,8 +103,8 @@ print(json.dumps({"open": answers, "granted": granted, "visible": os.environ.get
 """
 
 
-def open_gpus(args: str) -> dict:
-    result = srun(args, f"python3 -c {shlex.quote(OPEN_GPUS)}")
+def open_gpus(args: str, user: str = "ana") -> dict:
+    result = srun(args, f"python3 -c {shlex.quote(OPEN_GPUS)}", user)
     assert result.rc == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,6 +123,17 @@ def test_the_device_cgroup_lets_a_job_open_only_its_gpus() -> None:
     found = open_gpus("-w slurm-node1 --gres=gpu:rtx3090:1")
     assert sorted(found["open"].values()) == ["ENXIO"] + ["EPERM"] * 3, found
     assert [path for path, answer in found["open"].items() if answer == "ENXIO"] == [f"/dev/nvidia{found['granted']}"]
+
+
+def test_the_gpu_device_files_are_not_open_to_every_user() -> None:
+    """Issue 40 item 3: root's, mode 0660, of the GPU group, whose members are the inventory's Slurm users; a
+    job of a user outside it opens no GPU, not even the one Slurm gave it."""
+    for name in NODES:
+        modes = host(name).check_output("stat -c '%n %U %G %a' /dev/nvidia[0-9]*").splitlines()
+        assert modes == [f"/dev/nvidia{i} root budgetgpu-gpu 660" for i in range(4)], modes
+        assert host(name).check_output("getent group budgetgpu-gpu").split(":")[3] == "ana,ben"
+    found = open_gpus("-w slurm-node1 --gres=gpu:rtx3090:1", user="nobody")
+    assert found["granted"] and set(found["open"].values()) == {"EACCES"}, found
 
 
 def test_the_cpuset_cgroup_confines_a_job_to_its_cores() -> None:

@@ -33,7 +33,8 @@ def service_values(unit: str, key: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory) -> str:
-    return render_unit(tmp_path_factory.mktemp("unit"))
+    """The unit of a job whose one rank holds GPU 0 of the node."""
+    return render_unit(tmp_path_factory.mktemp("unit"), {"test_job_gpus": 1})
 
 
 def proc_devices(generation: str) -> str:
@@ -71,8 +72,18 @@ def test_the_unit_opens_the_nodes_cuda_uses(unit, generation):
     assert refused == [], f"driver {generation}: the unit cannot open {refused}"
 
 
-def test_an_inventory_list_reaches_the_unit_as_is(tmp_path):
+def test_an_inventory_list_reaches_the_unit_as_is_before_the_jobs_gpus(tmp_path):
     entries = ["char-nvidia rw", "/dev/nvidia0 rw"]
-    unit = render_unit(tmp_path, {"torchrun_device_allow": entries})
-    assert service_values(unit, "DeviceAllow") == entries
+    unit = render_unit(tmp_path, {"torchrun_device_allow": entries, "test_job_gpus": 1})
+    assert service_values(unit, "DeviceAllow") == [*entries, "/dev/char/195:0 rw", "/dev/char/195:254 rw",
+                                                   "/dev/char/195:255 rw"]  # fmt: skip
+
+
+def test_the_unit_opens_no_gpu_but_its_own(unit):
+    """Issue 40: no rule of the unit opens GPU 1 of the node (an inference worker's, say), on any driver."""
+    rules = device_allow.parse_device_allow(service_values(unit, "DeviceAllow"))
+    for generation in GENERATIONS:
+        groups = device_allow.parse_proc_devices(proc_devices(generation))
+        assert not device_allow.node_allowed(rules, groups, 195, 1, stat_char=lambda _path: None), generation
+        assert device_allow.node_allowed(rules, groups, 195, 0, stat_char=lambda _path: None), generation
     assert json.dumps(service_values(unit, "DevicePolicy")) == '["closed"]'

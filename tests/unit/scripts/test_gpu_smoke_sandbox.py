@@ -42,8 +42,8 @@ def test_unit_properties_reads_the_service_section_of_the_rendered_unit(smoke, u
     assert "Description" not in keys and "WantedBy" not in keys  # [Unit] and [Install] are not the sandbox
     assert ("DevicePolicy", "closed") in settings and ("User", "budgetgpu") in settings
     assert [value for key, value in settings if key == "DeviceAllow"][:2] == [
-        "char-nvidia rw",
-        "char-nvidia-frontend rw",
+        "char-nvidia-uvm rw",
+        "char-nvidia-caps rw",
     ]
     assert smoke.python_of(settings) == "/opt/budgetgpu/venv/bin/python3"
 
@@ -166,11 +166,14 @@ def test_main_sandbox_only_passes_on_a_550_node(smoke, unit_file, monkeypatch, c
     assert "sandbox  NVIDIA groups in /proc/devices: nvidia 195, nvidiactl 195, nvidia-caps-imex-channels 234" in out
     assert "DeviceAllow= opens every NVIDIA device group in /proc/devices" in out
     assert calls[0][:5] == ["systemd-run", "--quiet", "--wait", "--pipe", "--collect"]
-    assert "-p" in calls[0] and "DeviceAllow=char-nvidia rw" in calls[0] and "DevicePolicy=closed" in calls[0]
+    assert "-p" in calls[0] and "DeviceAllow=/dev/char/195:255 rw" in calls[0] and "DevicePolicy=closed" in calls[0]
+    assert "SupplementaryGroups=budgetgpu-gpu" in calls[0]
 
 
 def test_main_fails_with_the_old_list_on_a_550_node(smoke, tmp_path, monkeypatch, capsys):
     unit = render_job_unit(tmp_path, {"torchrun_device_allow": OLD_LIST})
+    # The unit of that time: no node of the GPU major (issue 40's per-GPU entries came later).
+    unit.write_text("".join(line for line in unit.read_text().splitlines(True) if "/dev/char/195:" not in line))
     nodes = {**GOOD_NODES, "/dev/nvidia0": "EPERM", "/dev/nvidiactl": "EPERM"}
     cuda = {"ok": False, "error": "RuntimeError: Found no NVIDIA driver on your system."}
     argv = ["--sandbox-only", "--unit-file", str(unit), "--proc-devices", str(PROC_DEVICES / "550.txt")]
@@ -178,7 +181,8 @@ def test_main_fails_with_the_old_list_on_a_550_node(smoke, tmp_path, monkeypatch
     assert status == 1
     assert "sandbox  FAIL: DeviceAllow= does not open the NVIDIA device groups nvidia (major 195), nvidiactl" in out
     assert (
-        "add char-nvidia rw, char-nvidia-caps-imex-channels rw, char-nvidia-nvlink rw to torchrun_device_allow" in out
+        "add /dev/char/195:255 rw, char-nvidia-caps-imex-channels rw, char-nvidia-nvlink rw to torchrun_device_allow"
+        in out
     )
     assert "the device policy refused /dev/nvidia0, /dev/nvidiactl (EPERM)" in out
 

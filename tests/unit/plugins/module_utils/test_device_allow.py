@@ -62,8 +62,8 @@ def test_the_list_before_issue_12_leaves_a_550_driver_gpu_closed():
     assert (195, "nvidia") in uncovered and (195, "nvidiactl") in uncovered
     message = device_allow.uncovered_message(uncovered)
     assert message.startswith("DeviceAllow= does not open the NVIDIA device groups nvidia (major 195), nvidiactl")
-    # One entry per major: char-nvidia opens 195:* and so /dev/nvidiactl too.
-    assert "add char-nvidia rw, char-nvidia-caps-imex-channels rw, char-nvidia-nvlink rw to" in message
+    # One entry per major; the GPU major by /dev/nvidiactl's node alone: char-nvidia would open every GPU (issue 40).
+    assert "add /dev/char/195:255 rw, char-nvidia-caps-imex-channels rw, char-nvidia-nvlink rw to" in message
     assert device_allow.uncovered_groups(BEFORE_ISSUE_12, fixture("535")) == [(235, "nvidia-nvlink")]
 
 
@@ -75,13 +75,17 @@ def test_the_list_before_issue_12_leaves_a_550_driver_gpu_closed():
         (["char-195 rw", "char-nvidia-?vm rw"], "all but 195 and uvm"),
         (["char-nvidia r", "char-nvidia-* rw"], [(195, "nvidia"), (195, "nvidiactl")]),  # read-only is not enough
         (["block-nvidia* rw"], "all"),
-        (["/dev/nvidia0 rw", "/dev/char/195:255 rw"], "all"),  # nodes open minors, not groups
+        (["/dev/nvidia0 rw", "/dev/nvidiactl rw"], "all"),  # nodes open minors, not groups
+        # The GPU major counts as open with /dev/nvidiactl's node: a unit opens its GPUs there one by one.
+        (["/dev/char/195:255 rw", "/dev/char/195:0 rw"], "all but 195"),
     ],
 )
 def test_uncovered_groups_follow_systemd_matching(entries, uncovered):
     everything = device_allow.nvidia_groups(device_allow.parse_proc_devices(fixture("550")))
     if uncovered == "all":
         expected = everything
+    elif uncovered == "all but 195":
+        expected = [(major, name) for major, name in everything if major != 195]
     elif uncovered == "all but 195 and uvm":
         expected = [(major, name) for major, name in everything if major != 195 and name != "nvidia-uvm"]
     else:
