@@ -100,15 +100,16 @@ def firewall_rules(
 
 def firewall_record_lines(rules: list[Mapping[str, Any]]) -> list[str]:
     """Return the "member HOST: ADDR, ..." lines (without "# ") the table's file records for every host with
-    known addresses (facts or an earlier record), once each: what firewall_rules reads back next run for a
-    host without facts (nccl_recorded_members' form)."""
+    known addresses (facts or an earlier record), once each, by host name (a caller's hosts in another order
+    write the same file): what firewall_rules reads back next run for a host without facts
+    (nccl_recorded_members' form)."""
     lines: dict[str, str] = {}
     for rule in rules or []:
         for host, record in (rule.get("records") or {}).items():
             addresses = list(record.get("ipv4") or []) + list(record.get("ipv6") or [])
             if record.get("source") and addresses:
                 lines.setdefault(host, f"member {host}: {', '.join(addresses)}")
-    return list(lines.values())
+    return [lines[host] for host in sorted(lines)]
 
 
 def firewall_stale_report(rules: list[Mapping[str, Any]], table: str) -> list[str]:

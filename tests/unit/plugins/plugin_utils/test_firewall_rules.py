@@ -132,6 +132,9 @@ def test_the_file_records_each_hosts_addresses_once_for_the_next_run():
     ]
     rules = firewall_rules(entries, HOSTVARS, PASSWD, "# member node9: 10.0.0.19\n")
     assert firewall_record_lines(rules) == ["member node1: 10.0.0.11, fd00::11", "member node6: fd00::16"]
+    # The hosts in another order (a caller's set) write the same lines.
+    entries_reversed = [{**entry, "hosts": entry["hosts"][::-1]} for entry in entries[::-1]]
+    assert firewall_record_lines(firewall_rules(entries_reversed, HOSTVARS, PASSWD)) == firewall_record_lines(rules)
     # A record kept for a host still without facts is written again, so that it survives another run.
     kept = firewall_rules(
         [{"port": 9100, "what": "x", "hosts": ["node9"]}], HOSTVARS, PASSWD, "# member node9: 10.0.0.19"
