@@ -22,9 +22,11 @@ mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-# budgetgpu_node from the checkout, as the tests find it (CONTRIBUTING.md, "Collection layout").
-mkdir -p /tmp/np && ln -sfn "$PWD/plugins/module_utils" /tmp/np/budgetgpu_node
-export PYTHONPATH=/tmp/np:/tmp/site PYTHONUNBUFFERED=1
+# budgetgpu_node from the checkout, as the tests find it (CONTRIBUTING.md, "Collection layout"), and the
+# collection by its name (the fsdp part prints the training memory planner's figure beside each measured peak).
+mkdir -p /tmp/np /tmp/ac/ansible_collections/budgetgpu && ln -sfn "$PWD/plugins/module_utils" /tmp/np/budgetgpu_node
+ln -sfn "$PWD" /tmp/ac/ansible_collections/budgetgpu/cluster
+export PYTHONPATH=/tmp/np:/tmp/ac:/tmp/site PYTHONUNBUFFERED=1
 
 wanted=" ${*:-machine smoke sandbox fsdp fsdp-job quant trainer} "
 part() {
@@ -54,7 +56,7 @@ machine() {
   part smoke 60 python3 scripts/gpu-smoke
   python3 scripts/gpu-probe --json >"$out/gpu-probe.json" 2>/dev/null
   part sandbox 30 python3 scripts/gpu-smoke --sandbox-only --python python3
-  part fsdp 150 python3 tests/benchmarks/fsdp_memory.py --cases gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b
+  part fsdp 220 python3 tests/benchmarks/fsdp_memory.py --cases gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b
   part fsdp-job 150 python3 scripts/gpu-smoke --fsdp --python python3
   part quant 100 python3 scripts/gpu-smoke --quant --python python3
   part trainer 200 python3 scripts/gpu-smoke --trainer --python python3

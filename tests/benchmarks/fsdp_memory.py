@@ -13,7 +13,9 @@ peak (`torch.cuda.max_memory_allocated`), and the time of a step.
     python3 tests/benchmarks/fsdp_memory.py --device cpu --cases tiny --steps 2     # the code path, on CPU
 
 Variants (--variants): `fsdp-bf16` (MixedPrecisionPolicy param bf16, reduce fp32), `fsdp-bf16-ckpt` (and
-activation checkpointing), `fsdp-fp32`, `plain-fp32` (no FSDP: what a DDP rank holds). Runs as one process; it
+activation checkpointing), `fsdp-bf16-states` (the model itself in bf16: weights, gradients and AdamW states in
+bf16, the job model's state_precision bf16), `fsdp-fp32`, `plain-fp32` (no FSDP: what a DDP rank holds). Runs as
+one process; it
 sets up its own process group (a free loopback port).
 """
 
@@ -38,7 +40,28 @@ PRESETS = {
     "gpt2-774m": (36, 1280, 20),
     "gpt2-1.5b": (48, 1600, 25),
 }
-VARIANTS = ("fsdp-bf16", "fsdp-bf16-ckpt", "fsdp-fp32", "plain-fp32")
+VARIANTS = ("fsdp-bf16", "fsdp-bf16-ckpt", "fsdp-bf16-states", "fsdp-fp32", "plain-fp32")
+# Each variant as the job model says it (plugin_utils/training_memory.py plans it at world size 1: plain-fp32,
+# no wrapper at all, is an unsharded fp32 rank without DDP's buckets).
+JOB_OPTIONS = {
+    "fsdp-bf16": {"mixed_precision": "bf16", "state_precision": "fp32", "activation_checkpointing": False},
+    "fsdp-bf16-ckpt": {"mixed_precision": "bf16", "state_precision": "fp32", "activation_checkpointing": True},
+    "fsdp-bf16-states": {"mixed_precision": "bf16", "state_precision": "bf16", "activation_checkpointing": False},
+    "fsdp-fp32": {"mixed_precision": "none", "state_precision": "fp32", "activation_checkpointing": False},
+    "plain-fp32": {"mixed_precision": "none", "state_precision": "fp32", "activation_checkpointing": False},
+}
+
+
+def planned_peak(preset: str, variant: str, batch: int, seq: int) -> int | None:
+    """The training memory planner's peak for the case, where the collection is importable (a checkout)."""
+    try:
+        from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import training_memory
+    except ImportError:
+        return None
+    if preset not in training_memory.PRESETS:
+        return None
+    spec = training_memory.model_spec({"preset": preset, "batch_size": batch, "seq_len": seq})
+    return round(training_memory.rank_plan(spec, {"parallelism": "fsdp", **JOB_OPTIONS[variant]}, 1)["peak"])
 
 
 def free_port() -> int:
@@ -58,6 +81,8 @@ def build(preset: str, variant: str, device: torch.device):
         model = GPT2LMHeadModel(config)
     if variant.endswith("-ckpt"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant.endswith("-states"):
+        model.to(torch.bfloat16)
     if variant.startswith("fsdp"):
         # The mesh named explicitly: a default gloo group on a GPU host moved the model to CUDA (pytorch#132471).
         mesh = init_device_mesh(device.type, (1,))
@@ -100,10 +125,12 @@ def measure(preset: str, variant: str, batch: int, seq: int, steps: int, device:
         if step == 0:
             after_step = allocated() - base
     peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
+    planned = planned_peak(preset, variant, batch, seq)
     result = {
         "case": preset, "variant": variant, "base_bytes": base, "layers": config.n_layer, "width": config.n_embd,
         "batch": batch, "seq": seq, "params": params, "model_bytes": after_model, "state_bytes": after_step,
-        "peak_bytes": peak, "state_bytes_per_param": round(after_step / params, 2),
+        "peak_bytes": peak, "state_bytes_per_param": round(after_step / params, 2), "planned_peak_bytes": planned,
+        "planned_over_measured": round(planned / peak, 3) if planned and peak else None,
         "step_s": round(sorted(times)[len(times) // 2], 4), "loss": round(float(loss.detach()), 3),
     }  # fmt: skip
     del model, optimizer, loss

@@ -285,3 +285,34 @@ def test_the_status_line_puts_the_measured_peak_beside_the_plan():
     assert tm.training_memory_status(job(), hostvars, groups, None)[0].startswith(
         "memory: not planned: the job gives no model"
     )
+
+
+def planner_rows() -> list[dict]:
+    """The second run's table (docs/benchmarks/device-check.md, "planner"): every variant, bf16 states included,
+    which the planner was not fitted to."""
+    section = DOC.read_text().split("**planner**", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("gpt2-"):
+            rows.append({"model": cells[0], "variant": cells[1], "states_gib": float(cells[2]),
+                         "bytes_per_param": float(cells[3]), "peak_gib": float(cells[4])})  # fmt: skip
+    return rows
+
+
+BF16_STATES = {"mixed_precision": "bf16", "state_precision": "bf16", "activation_checkpointing": False}
+
+
+@pytest.mark.parametrize("row", planner_rows(), ids=lambda r: f"{r['model']}-{r['variant']}")
+def test_the_planned_peak_holds_on_the_second_run_bf16_states_included(row):
+    options = (
+        BF16_STATES if row["variant"] == "fsdp-bf16-states" else {"state_precision": "fp32", **VARIANTS[row["variant"]]}
+    )
+    plan = tm.rank_plan(tm.model_spec({"preset": row["model"], "batch_size": 4}), {"parallelism": "fsdp", **options}, 1)
+    assert plan["peak"] / GIB == pytest.approx(row["peak_gib"], rel=0.15)
+    assert plan["states"] / GIB == pytest.approx(row["states_gib"], rel=0.05)
+
+
+def test_the_second_run_measured_8_bytes_a_parameter_with_bf16_states():
+    rows = [r for r in planner_rows() if r["variant"] == "fsdp-bf16-states"]
+    assert len(rows) == 4 and all(8.0 <= r["bytes_per_param"] <= 8.2 for r in rows), rows
