@@ -4,7 +4,10 @@ pinning, gateway, keys and health checks as the built-in worker; through the gat
 official openai client (completions, chats, both streamed), killed and restarted while the gateway
 serves on, and its /metrics read from the gateway's node (an address the firewall admits, as
 Prometheus' is) in Prometheus' text format, holding every llama.cpp series the recording rules read;
-Debian's Prometheus, scraping every worker, records the same series for both engines' workers.
+Debian's Prometheus, scraping every worker, records the same series for both engines' workers. The gateway
+passes only what it serves (issue 40): llama-server's own paths answer 404 at NGINX and it runs without slots,
+none of the client's headers but Content-Type reaches a worker (X-Conversation-Id, seen on the wire), and one
+key holds at most half of what the workers admit while another key is served.
 
 The helpers are test_inference.py's, the fixtures conftest.py's; these tests run after test_inference.py's."""
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 from test_inference import (
@@ -22,7 +26,9 @@ from test_inference import (
     KEY,
     NODES,
     OTHER,
+    OTHER_KEY,
     REPO,
+    error_of,
     gpu_uuids,
     healthy,
     main_pid,
@@ -53,7 +59,7 @@ def test_llama_server_workers_come_up_as_the_services_unprivileged_user_pinned_b
         options = dict(zip(argv[1::2], argv[2::2], strict=False))
         assert options["--model"] == GGUF and options["--alias"] == "llama", argv
         assert options["--host"] == addresses[node] and options["--port"] == str(LLAMA_PORT), argv
-        assert options["--parallel"] == "2" and "--metrics" in argv, argv
+        assert options["--parallel"] == "2" and "--metrics" in argv and "--no-slots" in argv, argv
         # Each slot holds max_input_tokens + max_new_tokens (256 + 64): -c is their sum over the 2 slots.
         assert options["--ctx-size"] == "640", argv
         assert sh(node, f"stat -c %U /proc/{pid}").strip() == "budgetgpu-infer"
@@ -107,6 +113,143 @@ print(json.dumps({{"models": models, "completion_tokens": done.usage.completion_
     assert got["pieces"] >= 2 and got["deltas"] >= 2, got
     # The gateway's key check, not llama-server's (it runs without a key, behind the firewall).
     assert got["refused"] == [401, "invalid_api_key"], got
+
+
+# ---------------------------------------------------------------- the gateway passes only what it serves (issue 40)
+
+
+def test_llama_servers_own_paths_do_not_pass_the_gateway_and_it_runs_without_slots(addresses, gateway) -> None:
+    base = f"http://{gateway}:{LLAMA_GATEWAY}"
+    private = [
+        {"url": f"{base}/slots", "headers": AUTH},
+        {"url": f"{base}/props", "headers": AUTH},
+        {"url": f"{base}/tokenize", "body": {"content": "x"}, "headers": AUTH},
+        {"url": f"{base}/infill", "body": {"input_prefix": "x"}, "headers": AUTH},
+        # Another client's stream, by its conversation id: read (GET) or cancelled.
+        {"url": f"{base}/v1/stream?conv_id=anyone", "headers": AUTH},
+        {"url": f"{base}/v1/messages", "body": {"model": "llama", "max_tokens": 1, "messages": []}, "headers": AUTH},
+        {"url": f"{base}/v1/responses", "body": {"model": "llama", "input": "x"}, "headers": AUTH},
+    ]
+    for spec, answer in zip(private, requests(OTHER, private), strict=True):
+        assert answer["status"] == 404 and error_of(answer)["code"] == "not_found", (spec["url"], answer)
+        assert "only /v1/models, /v1/completions, /v1/chat/completions and /health" in error_of(answer)["message"]
+    # On the worker itself (from the gateway's node, which the firewall admits): no slot endpoints at all.
+    slots = requests(GATEWAY, [{"url": f"http://{addresses[OTHER]}:{LLAMA_PORT}/slots", "timeout": 5}])[0]
+    assert slots["status"] is not None and slots["status"] >= 400, slots
+
+
+# Runs on the gateway's node: records the TCP payload sent to port argv[1] (the workers', on both nodes: the
+# gateway's own worker over lo) until its stdin closes (at most 120 s), then prints it. "ready" once it listens.
+SNIFF = r"""
+import json, select, socket, struct, sys, time
+port = int(sys.argv[1])
+raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+print("ready", flush=True)
+seen, deadline = [], time.monotonic() + 120
+while time.monotonic() < deadline:
+    readable = select.select([raw, sys.stdin], [], [], 1)[0]
+    if sys.stdin in readable:
+        break
+    if raw not in readable:
+        continue
+    frame = raw.recv(65535)
+    if frame[12:14] != b"\x08\x00" or frame[23] != 6:  # IPv4, TCP
+        continue
+    tcp = frame[14 + (frame[14] & 15) * 4:]
+    if struct.unpack("!H", tcp[2:4])[0] == port:
+        seen.append(tcp[(tcp[12] >> 4) * 4:].decode("latin-1"))
+print(json.dumps("".join(seen)), flush=True)
+"""
+
+
+def test_the_gateway_passes_the_engine_none_of_the_clients_headers_but_content_type(gateway) -> None:
+    # X-Conversation-Id makes llama-server go on generating after its client left (no limit of NGINX counts that
+    # work): sent by the official client, it must not reach a worker; nor the key or the client's own headers.
+    sniffer = subprocess.Popen(
+        ["docker", "exec", "-i", GATEWAY, "python3", "-c", SNIFF, str(LLAMA_PORT)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    script = f"""
+import openai
+client = openai.OpenAI(base_url="http://{gateway}:{LLAMA_GATEWAY}/v1", api_key="{KEY}", max_retries=0)
+for i in range(4):
+    for chunk in client.completions.create(model="llama", prompt="The cat", max_tokens=4, stream=True,
+                                           extra_headers={{"X-Conversation-Id": f"conv-marker-{{i}}"}}):
+        pass
+"""
+    try:
+        assert sniffer.stdout.readline().strip() == "ready", sniffer.stderr.read()[-2000:]
+        sh(OTHER, f"/opt/test-clients/openai/bin/python - <<'EOF'\n{script}\nEOF")
+        time.sleep(1)  # the last packets on their way to the capture
+        out, _err = sniffer.communicate(input="stop\n", timeout=60)
+    finally:
+        sniffer.kill()
+    captured = json.loads(out.strip().splitlines()[-1]).lower()
+    # The completions that reached the workers (Prometheus' scrapes of /metrics pass there too)...
+    sent = [r for r in re.split(r"(?=(?:get|post) /)", captured) if r.startswith("post /v1/completions http/1.1")]
+    assert len(sent) >= 4, captured[:2000]
+    for request in sent:
+        # ...with NGINX's own headers and the body's type...
+        assert "content-type: application/json" in request and "x-request-id:" in request, request[:1000]
+        # ...and none of the client's others (the openai client sends User-Agent and X-Stainless-*).
+        for header in ("x-conversation-id", "conv-marker", "authorization", KEY.lower(), "user-agent", "x-stainless"):
+            assert header not in request, (header, request[:1000])
+
+
+# Runs on a node: opens argv[3] requests with key argv[4] to the llama gateway that send their header and no body
+# (NGINX holds each, counted against its key, until the body comes), waits argv[5] seconds for answers, prints
+# {held, answers}, then keeps them open until stdin closes.
+HOLD = r"""
+import json, socket, select, sys, time
+host, port, count, key, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+held = [socket.create_connection((host, port)) for _unused in range(count)]
+for s in held:
+    s.sendall(head)
+answers, deadline = {}, time.monotonic() + wait
+while time.monotonic() < deadline:
+    for s in select.select([s for s in held if s not in answers], [], [], 0.2)[0]:
+        data = s.recv(65536)
+        answers[s] = data.decode("latin-1")
+print(json.dumps({"held": count - len(answers), "answers": list(answers.values())}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_one_key_holds_at_most_its_share_of_the_workers_while_another_key_is_served(gateway) -> None:
+    # 2 workers x (2 slots + 4 queued) = 12 at a time; one key holds at most half (conns_per_key's default).
+    holder = subprocess.Popen(
+        ["docker", "exec", "-i", OTHER, "python3", "-c", HOLD, gateway, str(LLAMA_GATEWAY), "12", KEY, "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        got = json.loads(holder.stdout.readline())
+        # The same key from another address is refused too; another key is served meanwhile.
+        same_key, other_key = requests(
+            GATEWAY,
+            [
+                completion(gateway, 1) | {"timeout": 10},
+                completion(gateway, 2) | {"headers": {"Authorization": f"Bearer {OTHER_KEY}"}, "timeout": 10},
+            ],
+            parallel=2,
+        )
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert got["held"] == 6, got
+    assert all(a.startswith("HTTP/1.1 429") and "too_many_connections" in a for a in got["answers"]), got["answers"][:2]
+    assert same_key["status"] == 429 and error_of(same_key)["code"] == "too_many_connections", same_key
+    assert "with the API key ci (conns_per_key 6)" in error_of(same_key)["message"], same_key
+    assert other_key["status"] == 200, other_key
+    # Once the key's requests are gone, the key is served again.
+    wait_for("key ci served again", lambda: requests(OTHER, [completion(gateway, 3)])[0]["status"] == 200, timeout=30)
 
 
 def test_a_killed_llama_server_is_restarted_while_the_gateway_serves_on(addresses, gateway) -> None:
