@@ -1,6 +1,6 @@
 """A node's users are not trusted by its workers (issue 40 item 2): a job on a worker's node (any local user
-but root, NGINX's www-data and, where Prometheus runs, its user) cannot call a worker directly, on loopback
-or on the node's own address; the gateway still serves it, with a key. Role firewall's chain output checks
+but root, NGINX's www-data and, where Prometheus runs, its user) cannot call a worker directly at the
+address it listens on, the node's own; the gateway still serves it, with a key. Role firewall's chain output checks
 each new local connection's socket owner. Reads only: the nodes stay as the other tests left them."""
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def call_as(user: str, node: str, url: str, body: dict | None = None, key: str |
 
 def test_a_job_on_a_workers_node_cannot_call_the_worker_but_the_gateway_serves_it() -> None:
     for node in NODES:
-        for host in ("127.0.0.1", address(node)):
-            url = f"http://{host}:{EMBED_PORT}/health"
-            # A job's user: refused at once (a reset), before the worker sees the request.
-            refused = call_as("nobody", node, url)
-            assert refused["status"] is None and "Connection refused" in str(refused["error"]), (node, refused)
-            # Root (Ansible, the tests) and NGINX's user still reach it: the port is open, the uid decides.
-            assert call_as("root", node, url)["status"] == 200, (node, url)
-            assert call_as("www-data", node, url)["status"] == 200, (node, url)
+        # The workers listen on the node's cluster address (not loopback): a job there is a local client.
+        url = f"http://{address(node)}:{EMBED_PORT}/health"
+        # A job's user: refused at once (a reset), before the worker sees the request.
+        refused = call_as("nobody", node, url)
+        assert refused["status"] is None and "Connection refused" in str(refused["error"]), (node, refused)
+        # Root (Ansible, the tests) and NGINX's user still reach it: the port is open, the uid decides.
+        assert call_as("root", node, url)["status"] == 200, (node, url)
+        assert call_as("www-data", node, url)["status"] == 200, (node, url)
     # Prometheus' user scrapes the workers of its own node (inference-node1 is the Prometheus host).
     assert call_as("prometheus", GATEWAY, f"http://{address(GATEWAY)}:{EMBED_PORT}/metrics")["status"] == 200
     # The same job through the gateway, with a key: served.
