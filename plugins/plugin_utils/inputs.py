@@ -59,6 +59,8 @@ OTHER_INPUTS = {
     # users made its members (Slurm's users): roles nvidia_driver, torchrun, inference, gpu_health, slurm
     "budgetgpu_gpu_group": {"type": "str"},
     "budgetgpu_gpu_users": {"type": "list", "elements": "str"},
+    # the time servers every node keeps its clock to (role probe's clock.yml)
+    "budgetgpu_ntp_servers": {"type": "list", "elements": "str"},
     "budgetgpu_simulated": {"type": "bool"},
     "budgetgpu_sysfs_root": {"type": "path"},
     "budgetgpu_safe_mode": {"type": "bool"},

@@ -154,3 +154,14 @@ def test_the_settings_that_had_to_agree_are_one_cluster_wide_input_each():
     assert inputs.check_inputs("node1", new, OPTIONS, KNOWN) == []
     (bad,) = inputs.check_inputs("node1", {"budgetgpu_node_exporter_port": "high"}, OPTIONS, KNOWN)
     assert bad.startswith("node1: budgetgpu_node_exporter_port: expected int, found 'high'")
+
+
+def test_the_time_servers_are_a_known_list_of_names():
+    # Role probe's clock.yml reads budgetgpu_ntp_servers: set in the inventory it is no unknown input.
+    assert problems({"budgetgpu_ntp_servers": ["192.168.1.1", "ntp.lan"]}) == []
+    assert problems({"budgetgpu_ntp_server": ["ntp.lan"]}) == [
+        "node3: budgetgpu_ntp_server: no role knows this variable: did you mean budgetgpu_ntp_servers?"
+    ]
+    assert problems({"budgetgpu_ntp_servers": {"a": 1}})[0].startswith(
+        "node3: budgetgpu_ntp_servers: expected list of str, found {'a': 1}"
+    )
