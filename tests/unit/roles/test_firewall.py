@@ -249,3 +249,18 @@ def test_the_next_run_writes_the_same_table_and_a_host_gone_down_changes_nothing
     rules_down = firewall_rules([entry], down, PASSWD, first)
     assert rules_down[0]["stale"] == ["node1"]
     assert rules_down[0]["allow"] == firewall_rules([entry], HOSTVARS, PASSWD, first)[0]["allow"]
+
+
+def test_inference_gives_its_worker_entries_alone_local_users():
+    """Role inference picks its worker entries by their `what` (" workers" at the end) to name NGINX's and
+    Prometheus' users: a job on the node calls the gateway, which stays open to every local user."""
+    tasks = yaml.safe_load((ROLES / "inference/tasks/main.yml").read_text())
+    (include,) = [
+        t for t in tasks if (t.get("ansible.builtin.include_role") or {}).get("name") == "budgetgpu.cluster.firewall"
+    ]
+    assert "selectattr('what', 'search', ' workers$')" in include["vars"]["firewall_rules"]
+    assert "['www-data']" in include["vars"]["__inference_local"]
+    plan = [{"name": "chat", "state": "started", "gateway_address": "10.0.0.11", "workers": [{"port": 8100}]}]
+    gateways = [{"name": "chat", "state": "started", "gateway_port": 8080, "allow": ["10.0.0.0/24"]}]
+    entries = inference_firewall_ports(plan, gateways, ["monitor"], [])
+    assert [bool(re.search(" workers$", e["what"])) for e in entries] == [True, False]
