@@ -38,7 +38,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import CUDA_CONTEXT_BYTES, node_gpus
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import _slurped_json, job_hosts, job_nproc
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    _slurped_json,
+    job_backend,
+    job_hosts,
+    job_nproc,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _bad_sharding, _line, _problem
 
@@ -276,12 +281,13 @@ def ways_out(
 def _layout(
     job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapping[str, list[str]]
 ) -> tuple[dict[str, int] | None, list[tuple[str, dict[str, Any]]], str]:
-    """Return ({nodes, nproc, world} or None, [(host, GPU facts)] of the GPUs the ranks use (0..nproc-1, as
-    inference.training_gpus counts them), why there is no plan)."""
-    hosts, gpus, nprocs = job_hosts(job, groups), [], []
+    """Return ({nodes, nproc, world, gloo: 1 where a node trains on gloo} or None, [(host, GPU facts)] of the
+    GPUs the ranks use (0..nproc-1, as inference.training_gpus counts them), why there is no plan)."""
+    hosts, gpus, nprocs, gloo = job_hosts(job, groups), [], [], 0
     for host in hosts:
         hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-        nproc = job_nproc(job, node_info(hv if isinstance(hv, Mapping) else {}, host))
+        node = node_info(hv if isinstance(hv, Mapping) else {}, host)
+        nproc, gloo = job_nproc(job, node), gloo or int(job_backend(job, node) != "nccl")
         facts = node_gpus(hostvars, host) or []
         used = [g for g in facts[: nproc or 0] if isinstance(g.get("memory_total_mib"), int)]
         if not used:
@@ -293,7 +299,7 @@ def _layout(
     if not hosts:
         return None, [], f"no host in group {job.get('nodes')}"
     # hsdp shards within a node: the node with the fewest ranks holds the most a rank.
-    return {"nodes": len(hosts), "nproc": min(nprocs), "world": sum(nprocs)}, gpus, ""
+    return {"nodes": len(hosts), "nproc": min(nprocs), "world": sum(nprocs), "gloo": gloo}, gpus, ""
 
 
 def _gpu_kinds(gpus: list[tuple[str, dict[str, Any]]]) -> dict[tuple[str, int], dict[str, list[Any]]]:
@@ -334,7 +340,9 @@ def job_memory(job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapp
         if plan["peak"] <= usable:
             continue
         capabilities = [c for c in map(_capability, kind["capabilities"]) if c is not None]
-        ways = ways_out(spec, options, layout, usable, min(capabilities) if capabilities else None)
+        # A gloo job (simulated nodes: CPU) gets neither bf16 (preflight refuses it on gloo) nor QLoRA (CUDA only).
+        capability = (0, 0) if layout["gloo"] else min(capabilities) if capabilities else None
+        ways = ways_out(spec, options, layout, usable, capability)
         hint = (
             "ways out: " + "; ".join(ways) if ways else "nothing the guide names fits: a smaller batch_size or seq_len"
         )

@@ -195,6 +195,14 @@ def test_below_compute_capability_8_no_bf16_way_out_is_offered():
     ]
 
 
+def test_a_job_on_simulated_nodes_gloo_gets_no_bf16_and_no_qlora_way_out():
+    hostvars, groups = cluster(gpus())
+    hostvars["node1"]["budgetgpu_simulated"] = True
+    (problem,) = tm.job_memory(job(model=LLAMA_7B, parallelism="fsdp"), hostvars, groups)["problems"]
+    assert "bf16" not in problem["hint"] and "qlora" not in problem["hint"], problem["hint"]
+    assert "model.adapter: lora (rank 8)" in problem["hint"]
+
+
 def test_no_way_out_is_one_preflight_refuses_fp16_under_fsdp():
     # On 4 x RTX 2080 Ti, GPT-2 355M under ddp: fsdp alone is too little, fsdp with fp16 would just fit (9.4 GiB
     # a rank) but preflight refuses fp16 on the sharded path (no loss scaler), so fsdp comes with checkpointing.
