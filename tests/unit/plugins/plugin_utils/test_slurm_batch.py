@@ -8,7 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_environment, torchrun_job_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    TRAINING_SETTINGS,
+    torchrun_environment,
+    torchrun_job_normalize,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm_batch import batch_jobs
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
 
@@ -45,7 +49,8 @@ def test_a_job_gets_its_sbatch_options_and_the_training_environment_of_the_job_m
     unit = torchrun_job_normalize({"name": "pretrain", "script": "/srv/train.py", "gradient_compression": "fp16"})
     unit_env = torchrun_environment({**unit, "state_dir": "/x"}, "node1", {})
     shared = {key: unit_env[key] for key in unit_env if key.startswith("BUDGETGPU_") and key in job["env"]}
-    assert len(shared) == 8 and shared["BUDGETGPU_GRADIENT_COMPRESSION"] == "fp16"
+    # One variable per training setting of the job model.
+    assert len(shared) == len(TRAINING_SETTINGS) and shared["BUDGETGPU_GRADIENT_COMPRESSION"] == "fp16"
     assert job["env"]["BUDGETGPU_VENV"] == "/opt/budgetgpu/venv" and job["user_env"] == {"SEED": "7"}
     # The entry's environment is not among what every user's copy of the script exports.
     assert "SEED" not in job["env"]
