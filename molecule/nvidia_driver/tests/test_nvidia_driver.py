@@ -1,9 +1,12 @@
 """nvidia_driver with Debian's real non-free packages: installed, pinned, held, not loaded, reboot pending; the
-headers of the node's own kernel and its flavour's metapackage; nvidia-uvm and its device nodes at boot.
+headers of the node's own kernel and its flavour's metapackage; nvidia-uvm and its device nodes at boot; the role's
+own reboot and its check after it.
 
 Simulated: the booted kernel (a container runs its host's; the node's own kernel is Debian's rt kernel that prepare
-installs, which DKMS skips for real, so it stays without a module) and the boot (a container restart: systemd is
-PID 1 again, /run is a fresh tmpfs; no module can load, so the device unit meets "module could not be loaded")."""
+installs, which DKMS skips for real, so it stays without a module), the kind of machine (reboot.yml takes the
+container for a VM, which the role may reboot) and the boot itself (systemd reboots the container, whose restart
+policy starts it again: systemd is PID 1 again, /run is a fresh tmpfs; no module can load, so the device unit meets
+"module could not be loaded")."""
 
 from __future__ import annotations
 
@@ -155,8 +158,28 @@ def test_facts_installed_not_loaded_reboot_pending(host):
 
 
 # Last: it reboots the node.
-def test_after_a_boot_the_device_unit_ran_and_the_boot_went_on(host, playbook, reboot):
-    reboot(host)  # molecule/conftest.py: systemd halts, the container starts again, a fresh /run proves the boot
+def test_the_role_reboots_the_node_and_its_check_after_the_boot_names_the_module_not_loaded(host, playbook):
+    name = host.backend.get_hostname()
+    before = host.interface("eth0").addresses
+    host.check_output("touch /run/budgetgpu-before-reboot")  # every boot empties /run
+    result = playbook("../molecule/nvidia_driver/reboot.yml")
+    installed = _facts(host)["installed_version"]
+    # The role's reboot task rebooted the node (a new boot: /run is empty, systemd booted again).
+    assert re.search(
+        r"TASK \[budgetgpu\.cluster\.nvidia_driver : Reboot into the installed driver, one node at a "
+        rf"time\] \S* changed: \[{re.escape(name)}\]",
+        result.stdout,
+    ), result.stdout
+    assert not host.file("/run/budgetgpu-before-reboot").exists
+    # Booted ("degraded": a unit that cannot run in a container failed), at the same address, as a real node.
+    assert host.check_output("systemctl is-system-running --wait || true") in ("running", "degraded")
+    assert host.interface("eth0").addresses == before
+    # Its check after the boot then finds the installed driver not loaded, and the role fails naming both.
+    assert result.returncode != 0, result.stdout
+    assert (
+        f"{name}: after the reboot the loaded nvidia module is none and NVML reports not_loaded, "
+        f"but {installed} is installed"
+    ) in result.stdout, result.stdout
     shown = dict(
         line.split("=", 1)
         for line in host.check_output(
@@ -164,17 +187,9 @@ def test_after_a_boot_the_device_unit_ran_and_the_boot_went_on(host, playbook, r
             "budgetgpu-nvidia-devices.service"
         ).splitlines()
     )
-    # It ran in this boot, nvidia-modprobe could not load the module (no GPU, the host's kernel), and the unit
-    # still ends active: the boot is not failed by it.
+    # The device unit ran in this boot, nvidia-modprobe could not load the module (no GPU, the host's kernel), and
+    # the unit still ends active: the boot is not failed by it.
     assert int(shown["ExecMainStartTimestampMonotonic"]) > 0, shown
     assert shown["ActiveState"] == "active" and shown["Result"] == "success", shown
     assert shown["ExecMainStatus"] != "0", shown
     assert not host.file("/dev/nvidia-uvm").exists
-    # The role's own check after a reboot then runs, and finds the installed driver not loaded.
-    result = playbook("../molecule/nvidia_driver/after_reboot.yml")
-    installed = _facts(host)["installed_version"]
-    assert result.returncode != 0, result.stdout
-    assert (
-        f"{host.backend.host}: after the reboot the loaded nvidia module is none and NVML reports not_loaded, "
-        f"but {installed} is installed"
-    ) in result.stdout, result.stdout
