@@ -37,8 +37,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import CUDA_CONTEXT_BYTES, node_gpus
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import parse_compute_capability
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    CUDA_CONTEXT_BYTES,
+    QUANT_MIN_CAPABILITY,
+    node_gpus,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    BF16_MIN_CAPABILITY,
+    PARALLELISMS,
     _slurped_json,
     job_backend,
     job_hosts,
@@ -78,8 +85,6 @@ ADAPTER_MATRICES = 4  # LoRA's A and B on two projections a layer: 4 x rank x wi
 # What a GPU needs beyond the planned bytes: one CUDA context, and this share of the card for the
 # caching allocator's reserve and fragmentation and NCCL's buffers (the table measures allocated bytes).
 ALLOCATOR_SHARE = 0.10
-BF16_CAPABILITY = (8, 0)
-QLORA_CAPABILITY = (7, 5)  # bitsandbytes' 4-bit kernels (inference.QUANT_MIN_CAPABILITY)
 MAX_WAYS_OUT = 4
 
 
@@ -207,25 +212,18 @@ def plan_text(spec: Mapping[str, Any], options: Mapping[str, Any], plan: Mapping
 def job_options(job: Mapping[str, Any]) -> dict[str, Any]:
     """The job keys a plan reads (the job model's values; preflight.py refuses unknown ones)."""
     return {
-        "parallelism": job.get("parallelism") if job.get("parallelism") in ("ddp", "fsdp", "hsdp") else "ddp",
+        "parallelism": job.get("parallelism") if job.get("parallelism") in PARALLELISMS else "ddp",
         "mixed_precision": job.get("mixed_precision") if job.get("mixed_precision") in ("bf16", "fp16") else "none",
         "state_precision": "bf16" if job.get("state_precision") == "bf16" else "fp32",
         "activation_checkpointing": job.get("activation_checkpointing") is True,
     }
 
 
-def _capability(value: Any) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(part) for part in str(value).split(".")[:2])
-    except ValueError:
-        return None
-
-
 def _levers(
     spec: Mapping[str, Any], options: Mapping[str, Any], nodes: int, world: int, capability: tuple[int, ...] | None
 ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """The guide's ways out that the job does not take yet: (label, job options, model keys), in its order."""
-    bf16 = capability is None or capability >= BF16_CAPABILITY
+    bf16 = capability is None or capability >= BF16_MIN_CAPABILITY
     parallelism = options["parallelism"]
     levers: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     if (parallelism == "ddp" and world > 1) or (parallelism == "hsdp" and nodes > 1):
@@ -239,7 +237,7 @@ def _levers(
         levers.append(("activation_checkpointing: true", {"activation_checkpointing": True}, {}))
     if spec["adapter"] == "none":
         levers.append((f"model.adapter: lora (rank {spec['lora_rank']})", {}, {"adapter": "lora"}))
-    if spec["adapter"] != "qlora" and (capability is None or capability >= QLORA_CAPABILITY):
+    if spec["adapter"] != "qlora" and (capability is None or capability >= QUANT_MIN_CAPABILITY):
         levers.append((f"model.adapter: qlora (rank {spec['lora_rank']})", {}, {"adapter": "qlora"}))
     return levers
 
@@ -339,7 +337,7 @@ def job_memory(job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapp
         usable = usable_bytes(mib)
         if plan["peak"] <= usable:
             continue
-        capabilities = [c for c in map(_capability, kind["capabilities"]) if c is not None]
+        capabilities = [c for c in map(parse_compute_capability, kind["capabilities"]) if c is not None]
         # A gloo job (simulated nodes: CPU) gets neither bf16 (preflight refuses it on gloo) nor QLoRA (CUDA only).
         capability = (0, 0) if layout["gloo"] else min(capabilities) if capabilities else None
         ways = ways_out(spec, options, layout, usable, capability)

@@ -76,7 +76,8 @@ def plan_on_a_4_gpu_node(nproc: int) -> dict:
     gpus = {"driver": {"state": "loaded"}, "count": 4, "gpus": [{"index": i, "uuid": f"GPU-{i}"} for i in range(4)]}
     hostvars = {"node1": {"ansible_facts": {"budgetgpu_gpus": gpus}}}
     nodes = cluster_nodes(hostvars, ["node1"])
-    (job,) = jobs.torchrun_jobs_normalize([{"name": "main", "script": "/srv/train.py", "nodes": "all", "nproc_per_node": nproc}])
+    job = {"name": "main", "script": "/srv/train.py", "nodes": "all", "nproc_per_node": nproc}
+    (job,) = jobs.torchrun_jobs_normalize([job])
     return jobs.torchrun_plan([job], "node1", {"all": ["node1"]}, nodes)[0]
 
 
