@@ -91,7 +91,7 @@ def blocks_of(model: Any) -> list[Any]:
     if lists:
         return list(max(lists, key=len))
     if isinstance(model, nn.Sequential):
-        return [child for child in model if any(True for _ in child.parameters(recurse=True))]
+        return [child for child in model if next(child.parameters(recurse=True), None) is not None]
     return []
 
 

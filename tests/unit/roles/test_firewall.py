@@ -181,7 +181,7 @@ def test_local_users_are_checked_in_output_by_their_socket_owner_new_connections
     text = render(entries, "budgetgpu_alertmanager", passwd=PASSWD)
     output = text[text.index("chain output {") :]
     assert "type filter hook output priority filter - 5; policy accept;" in output
-    assert [line for line in rules(output)] == [
+    assert list(rules(output)) == [
         "tcp dport { 9093 } ct state new fib daddr type local meta skuid != { 0, 998 } counter reject with tcp reset"
         ' comment "budgetgpu: Alertmanager, from this node root, prometheus only"',
         "tcp dport { 9094 } ct state new fib daddr type local meta skuid != { 0 } counter reject with tcp reset"
