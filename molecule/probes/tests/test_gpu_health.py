@@ -78,7 +78,8 @@ def test_the_timer_runs_the_watch_unprivileged_in_a_sandbox(host):
             "-p CapabilityBoundingSet -p NoNewPrivileges -p SupplementaryGroups"
         ).splitlines()
     )
-    assert props["User"] == "budgetgpu-health" and props["SupplementaryGroups"] == "systemd-journal"
+    # The journal's group, and the GPU device files' (mode 0660: role nvidia_driver's devices.yml) to ask NVML.
+    assert props["User"] == "budgetgpu-health" and props["SupplementaryGroups"] == "systemd-journal budgetgpu-gpu"
     assert (props["DevicePolicy"], props["PrivateNetwork"], props["ProtectSystem"]) == ("closed", "yes", "strict")
     assert props["NoNewPrivileges"] == "yes" and props["CapabilityBoundingSet"] == ""
     assert host.file(STATE).user == "budgetgpu-health" and host.file(STATE).mode == 0o644
