@@ -162,6 +162,13 @@ class Wrapped:
     scaler: Any = None  # fp16 under DDP: the loss scaler
     _sync: Any = field(default=None, repr=False)
 
+    @property
+    def model(self) -> Any:
+        """The model itself, whose state_dict a DDP checkpoint holds (DDP's module; FSDP2 shards it in place)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+
     def micro_batches(self) -> Iterator[contextlib.AbstractContextManager[None]]:
         return self.timer.micro_batches(self._sync)
 

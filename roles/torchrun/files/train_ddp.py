@@ -404,7 +404,7 @@ def restore(ctx: Dist, wrapped: Wrapped, optimizer: torch.optim.Optimizer, direc
             where = f"sharded checkpoint {directory}/step-{step:08d}.dcp" if step else f"no checkpoint in {directory}"
             log(f"resumed from step {step} ({where})" if step else f"{where}: starting at step 0")
         return step
-    model = wrapped.module.module if hasattr(wrapped.module, "module") else wrapped.module
+    model = wrapped.model
     step, state, source = agree_on_resume(ctx, directory)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -523,8 +523,7 @@ def train(args: argparse.Namespace) -> int:
             if ctx.local_rank != 0:
                 return
         else:
-            model = wrapped.module.module if hasattr(wrapped.module, "module") else wrapped.module
-            state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            state = {"step": step, "model": wrapped.model.state_dict(), "optimizer": optimizer.state_dict()}
             path = save_checkpoint(directory, step, state, args.keep_checkpoints)
         log(f"checkpoint step={step} path={path}{reason}")
 
