@@ -12,7 +12,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import ( 
     FLAVORS,
     OPEN_DEFAULT_BRANCH,
     TURING_FIRST_ID,
-    cuda_major,
     deb_upstream_version,
     driver_branch,
     gpu_architecture_from_device_id,
@@ -26,7 +25,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import ( 
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
-nvidia_module_flavor = as_filter(driver.nvidia_module_flavor)
 cuda_package_suffix = as_filter(driver.cuda_package_suffix)
 
 
@@ -35,7 +33,6 @@ class FilterModule:
 
     def filters(self) -> dict[str, Any]:
         return {
-            "nvidia_module_flavor": nvidia_module_flavor,
             "nvidia_module_flavor_decision": module_flavor_decision,
             "nvidia_driver_input_problems": driver.driver_input_problems,
             "cuda_input_problems": driver.cuda_input_problems,
@@ -43,7 +40,6 @@ class FilterModule:
             "nvidia_driver_branch": driver_branch,
             "deb_upstream_version": deb_upstream_version,
             "nccl_cuda_version": nccl_cuda_version,
-            "cuda_major": cuda_major,
             "cuda_package_suffix": cuda_package_suffix,
             "nccl_version_text": nccl_version_tuple_text,
             "nvidia_kernel_headers": kernels.kernel_headers,

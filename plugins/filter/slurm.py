@@ -22,7 +22,6 @@ class FilterModule:
             "slurm_nodes": as_filter(_slurm.slurm_nodes),
             "slurm_node_conf_line": as_filter(_slurm.node_conf_line),
             "slurm_gres_conf_lines": as_filter(_slurm.gres_conf_lines),
-            "slurm_gres_type": as_filter(_slurm.gres_type),
             "slurm_cgroup_settings": as_filter(_slurm.cgroup_settings),
             "slurm_mem_per_cpu": as_filter(_slurm.mem_per_cpu),
             "slurm_gres_problems": as_filter(_slurm.gres_problems),

@@ -214,20 +214,6 @@ def _auto_flavor(requested: str, any_old: bool, any_gpu: bool, branch: Any) -> s
     return "open" if number >= OPEN_DEFAULT_BRANCH else "proprietary"
 
 
-def nvidia_module_flavor(
-    requested: str,
-    pcie_gpus: Any = None,
-    nvml_gpus: Any = None,
-    branch: Any = None,
-    host: str = "this host",
-) -> str:
-    """Return "open" or "proprietary" (module_flavor_decision); a problem raises ValueError."""
-    decision = module_flavor_decision(requested, pcie_gpus, nvml_gpus, branch, host)
-    if decision["problem"]:
-        raise ValueError(decision["problem"])
-    return decision["flavor"]
-
-
 def deb_upstream_version(version: Any) -> str | None:
     """Return the upstream part of a Debian version: "1:535.261.03-1~deb12u1" -> "535.261.03"."""
     if version is None or str(version).strip() == "":

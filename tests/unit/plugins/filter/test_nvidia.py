@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import base64
+import re
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.filter import nvidia
 from ansible_collections.budgetgpu.cluster.plugins.filter.nvidia import (
     AnsibleFilterError,
-    cuda_major,
     cuda_package_suffix,
     deb_upstream_version,
     driver_branch,
     gpu_architecture_from_device_id,
     gpu_generations,
+    module_flavor_decision,
     nccl_cuda_version,
     nccl_version_tuple_text,
-    nvidia_module_flavor,
     secure_boot_enabled,
 )
 
@@ -87,27 +87,25 @@ RTX5090 = {"bus_id": "0000:05:00.0", "device_id": "0x2b85"}
     ],
 )
 def test_module_flavor(requested, pcie, nvml, branch, expected):
-    assert nvidia_module_flavor(requested, pcie, nvml, branch) == expected
+    assert module_flavor_decision(requested, pcie, nvml, branch) == {"flavor": expected, "problem": ""}
 
 
 def test_open_refused_for_a_gtx_1080_ti_naming_host_and_variable():
-    with pytest.raises(AnsibleFilterError, match=r"node1: nvidia_driver_kernel_modules is 'open'.*0000:03:00.0"):
-        nvidia_module_flavor("open", [GTX1080TI], None, 550, host="node1")
+    problem = module_flavor_decision("open", [GTX1080TI], None, 550, host="node1")["problem"]
+    assert re.search(r"node1: nvidia_driver_kernel_modules is 'open'.*0000:03:00.0", problem)
 
 
 def test_proprietary_refused_for_blackwell():
-    with pytest.raises(AnsibleFilterError, match="runs only the open modules"):
-        nvidia_module_flavor("proprietary", [RTX5090], None, 570, host="node1")
+    problem = module_flavor_decision("proprietary", [RTX5090], None, 570, host="node1")["problem"]
+    assert "runs only the open modules" in problem
 
 
 def test_pascal_and_blackwell_on_one_node_refused():
-    with pytest.raises(AnsibleFilterError, match="one driver cannot serve both"):
-        nvidia_module_flavor("auto", [GTX1080TI, RTX5090], None, 570)
+    assert "one driver cannot serve both" in module_flavor_decision("auto", [GTX1080TI, RTX5090], None, 570)["problem"]
 
 
 def test_unknown_flavor_refused():
-    with pytest.raises(AnsibleFilterError, match="expected auto, open or proprietary"):
-        nvidia_module_flavor("closed")
+    assert "expected auto, open or proprietary" in module_flavor_decision("closed")["problem"]
 
 
 def test_generations_merge_pci_and_nvml_by_bus_id():
@@ -179,10 +177,6 @@ def test_nccl_cuda_version(nccl, cuda):
 
 
 def test_cuda_versions():
-    assert cuda_major("12.4") == 12
-    assert cuda_major("11.8.89~11.8.0-5~deb12u1") == 11
-    assert cuda_major(12) == 12
-    assert cuda_major(None) is None
     assert cuda_package_suffix("12.4") == "12-4"
     with pytest.raises(AnsibleFilterError, match="MAJOR.MINOR"):
         cuda_package_suffix("twelve")
@@ -205,4 +199,4 @@ def test_nccl_version_text(value, text):
 
 def test_filter_module_exports_every_filter():
     names = nvidia.FilterModule().filters()
-    assert {"nvidia_module_flavor", "nvidia_secure_boot_enabled", "deb_upstream_version"} <= set(names)
+    assert {"nvidia_module_flavor_decision", "nvidia_secure_boot_enabled", "deb_upstream_version"} <= set(names)

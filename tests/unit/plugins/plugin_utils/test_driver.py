@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (
     cuda_input_problems,
+    cuda_major,
     driver_input_problems,
     module_flavor_decision,
     module_options_problems,
@@ -22,6 +23,13 @@ def test_flavor_decision_returns_the_problem_instead_of_failing():
     )
     assert module_flavor_decision("auto", [], None, 580) == {"flavor": "open", "problem": ""}
     assert module_flavor_decision("auto", [], None, 550) == {"flavor": "proprietary", "problem": ""}
+
+
+def test_cuda_major_of_a_version_a_package_version_and_a_number():
+    assert cuda_major("12.4") == 12
+    assert cuda_major("11.8.89~11.8.0-5~deb12u1") == 11
+    assert cuda_major(12) == 12
+    assert cuda_major(None) is None
 
 
 def test_module_options_problems_name_host_variable_and_entry():
