@@ -1,4 +1,4 @@
-"""CONTRIBUTING's "Who runs what on a node" table stays complete: every unit template, timer and drop-in
+"""docs/root-actions.md's "Who runs what on a node" table stays complete: every unit template, timer and drop-in
 a role renders, and every task that runs as root on a path a job's user can reach, has a row.
 
 A row names what it is about in its first column: a template by its path (`roles/<role>/templates/<file>`),
@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-SECTION = "## Who runs what on a node"
+SECTION = "# Who runs what on a node"
 # Unit files, timers and drop-ins the roles render (nft scripts, apt pins and the like start nothing).
 UNIT_TEMPLATES = ("*.service.j2", "*.timer.j2", "*-order.conf.j2", "worker.conf.j2")
 # A job's (or the comm test user's) paths in a task, and root's record directory beside them.
@@ -60,13 +60,13 @@ def unit_templates() -> list[str]:
     )
 
 
-ROWS = table_rows((REPO / "CONTRIBUTING.md").read_text())
+ROWS = table_rows((REPO / "docs" / "root-actions.md").read_text())
 
 
 def test_every_unit_template_has_a_row():
     named = " ".join(row[0] for row in ROWS)
     missing = [path for path in unit_templates() if f"`{path}`" not in named]
-    assert not missing, "unit templates without a row in CONTRIBUTING's table:\n" + "\n".join(missing)
+    assert not missing, "unit templates without a row in docs/root-actions.md's table:\n" + "\n".join(missing)
 
 
 def test_every_root_task_on_a_job_path_has_a_row():
@@ -75,7 +75,7 @@ def test_every_root_task_on_a_job_path_has_a_row():
         for path, name in root_tasks_on_job_paths()
         if not any(f"`{path}`" in row[0] and f'"{name}"' in row[0] for row in ROWS)
     ]
-    assert not missing, "root tasks on a job's paths without a row in CONTRIBUTING's table:\n" + "\n".join(missing)
+    assert not missing, "root tasks on a job's paths without a row in docs/root-actions.md's table:\n" + "\n".join(missing)
 
 
 def test_every_row_says_who_runs_it():
