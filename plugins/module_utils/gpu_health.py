@@ -1,10 +1,9 @@
 """The GPU health watch's decisions: Xid lines, the kernel log read incrementally, findings from one
 sample against the previous one, and the per-GPU state with its log lines.
 
-Plain standard-library Python with no imports from the rest of the collection, so that
-`scripts/gpu-probe` (and the watch that a timer runs on a node) can load this file by path. Every
-function here is pure over its inputs: the caller reads NVML (nvml_probe), sysfs and the kernel log,
-and writes the state file and the log lines.
+Plain standard-library Python, importing only the node package's pcie and nvml_probe, for gpu-probe
+and the watch that a timer runs on a node. Every function here is pure over its inputs: the caller
+reads NVML (nvml_probe), sysfs and the kernel log, and writes the state file and the log lines.
 
 One pass, as the watch runs it:
 
@@ -34,9 +33,9 @@ import re
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from .nvml_probe import UNSUPPORTED, known
 from .pcie import normalize_bus_id
 
-UNSUPPORTED = "unsupported"
 SEVERITIES = ("info", "warn", "take_out")
 
 # Xid catalogue: xid -> (class, what it means). Classes: "info" (nothing to do), "restart" (restart
@@ -215,10 +214,6 @@ def parse_aer(text: str | None) -> dict[str, int]:
     return counts
 
 
-def _known(value: Any) -> bool:
-    return value is not None and value != UNSUPPORTED
-
-
 def gpu_label(gpu: dict[str, Any]) -> str:
     """Return "GPU 2 (GPU-0f7beba8..., 0000:03:00.0)" for detail lines."""
     uuid = str(gpu.get("uuid") or "uuid unknown")
@@ -250,16 +245,16 @@ def _fans(gpu: dict[str, Any]) -> list[dict[str, Any]]:
 def fan_findings(gpu: dict[str, Any], limits: dict[str, Any]) -> list[dict[str, Any]]:
     """Return a dead_fan finding for each fan at 0% or far below its target on a hot GPU."""
     temp = gpu.get("temperature_c")
-    if not _known(temp) or temp < limits["hot_c"]:
+    if not known(temp) or temp < limits["hot_c"]:
         return []
     findings = []
     for number, fan in enumerate(_fans(gpu)):
         speed, target = fan.get("speed_pct"), fan.get("target_pct")
-        if not _known(speed):
+        if not known(speed):
             continue
-        far_below = _known(target) and target - speed >= limits["fan_gap_pct"]
+        far_below = known(target) and target - speed >= limits["fan_gap_pct"]
         if speed == 0 or far_below:
-            aim = f" (target {target}%)" if _known(target) else ""
+            aim = f" (target {target}%)" if known(target) else ""
             which = f"fan {number}" if len(_fans(gpu)) > 1 else "fan"
             words = f"{which} {speed}%{aim} at {temp} C: fan dead?"
             findings.append(_finding(gpu, "dead_fan", limits["dead_fan_severity"], words))
@@ -284,7 +279,7 @@ def throttle_findings(gpu: dict[str, Any]) -> list[dict[str, Any]]:
     if not mask:
         return []
     temp = gpu.get("temperature_c")
-    at = f" at {temp} C" if _known(temp) else ""
+    at = f" at {temp} C" if known(temp) else ""
     return [
         _finding(gpu, kind, severity, f"{words}{at}")
         for bit, (kind, severity, words) in _THROTTLE_KINDS.items()
@@ -294,7 +289,7 @@ def throttle_findings(gpu: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _growth(now: Any, before: Any) -> int:
     """Return how much a counter grew; 0 when either is unknown or it went back (a reset or reboot)."""
-    if not (_known(now) and _known(before)) or now < before:
+    if not (known(now) and known(before)) or now < before:
         return 0
     return now - before
 
@@ -335,13 +330,13 @@ def link_findings(
         words = f"PCIe replay counter +{replays} this pass ({pcie['replay_counter']} total): check the riser and slot"
         findings.append(_finding(gpu, "pcie_replays", "warn", words))
     width, boot_width = pcie.get("width_current"), boot.get("width")
-    if _known(width) and _known(boot_width) and width < boot_width:
+    if known(width) and known(boot_width) and width < boot_width:
         words = f"PCIe link now x{width}, x{boot_width} at boot: reseat the card or riser"
         findings.append(_finding(gpu, "link_width", "warn", words))
     gen, boot_gen = pcie.get("gen_current"), boot.get("gen")
     mask = throttle_mask(gpu.get("throttle_reasons"))
     busy = mask is not None and not mask & GPU_IDLE
-    if busy and _known(gen) and _known(boot_gen) and gen < boot_gen:
+    if busy and known(gen) and known(boot_gen) and gen < boot_gen:
         words = f"PCIe link now gen{gen} while busy, gen{boot_gen} at boot: check the riser"
         findings.append(_finding(gpu, "link_gen", "warn", words))
     return findings

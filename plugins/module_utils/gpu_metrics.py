@@ -1,10 +1,10 @@
 """The GPU metrics of one health watch pass, for node exporter's textfile collector: the samples and
 their types and help (METRICS); the watch writes Prometheus' text format with prometheus_client.
 
-Plain standard-library Python with no imports from the rest of the collection, so that the watch
-(`scripts/gpu-health`, run by role gpu_health's timer) loads this file by path, as it loads
-gpu_health.py. Pure over its inputs: the watch passes its sample (nvml_probe.health_sample plus the AER
-texts), its new state (gpu_health.watch_state), the boot links and the Xid counts.
+Plain standard-library Python, importing only the node package's nvml_probe, for the watch that role
+gpu_health's timer runs on a node. Pure over its inputs: the watch passes its sample
+(nvml_probe.health_sample plus the AER texts), its new state (gpu_health.watch_state), the boot links
+and the Xid counts.
 
 Names: NVIDIA's dcgm-exporter names where a metric has a twin there (DCGM_FI_DEV_GPU_TEMP, ...), with
 dcgm-exporter's labels (gpu, UUID, pci_bus_id in NVML's form, modelName, Hostname), so dashboards made
@@ -19,7 +19,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-UNSUPPORTED = "unsupported"
+from .nvml_probe import known
+
 # gpu_health's status, as a number an alert compares.
 STATUS_VALUES = {"ok": 0, "warn": 1, "take_out": 2}
 AER_KEYS = ("correctable", "nonfatal", "fatal")
@@ -57,8 +58,9 @@ METRICS = {
 }
 
 
-def _known(value: Any) -> bool:
-    return value is not None and value != UNSUPPORTED and not isinstance(value, bool)
+def _writable(value: Any) -> bool:
+    """Whether NVML gave the value (nvml_probe.known) and it is no flag: True and False are not samples."""
+    return known(value) and not isinstance(value, bool)
 
 
 def nvml_bus_id(bus_id: Any) -> str:
@@ -95,7 +97,7 @@ def _aer_totals(aer: Any) -> dict[str, int]:
             total = next((int(line.split()[1]) for line in value.splitlines() if line.startswith("TOTAL_ERR_")), None)
         else:
             total = None
-        if _known(total):
+        if _writable(total):
             totals[key] = total
     return totals
 
@@ -112,7 +114,7 @@ def _gpu_samples(
         ("DCGM_FI_DEV_GPU_TEMP", labels, gpu.get("temperature_c")),
         ("DCGM_FI_DEV_POWER_USAGE", labels, gpu.get("power_draw_w")),
         ("DCGM_FI_DEV_POWER_MGMT_LIMIT", labels, gpu.get("power_limit_w")),
-        ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", labels, round(energy * 1000) if _known(energy) else None),
+        ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", labels, round(energy * 1000) if _writable(energy) else None),
         ("DCGM_FI_DEV_SM_CLOCK", labels, gpu.get("sm_clock_mhz")),
         ("DCGM_FI_DEV_GPU_UTIL", labels, gpu.get("utilization_pct")),
         ("DCGM_FI_DEV_FAN_SPEED", labels, fans[0].get("speed_pct") if fans else None),
@@ -163,7 +165,7 @@ def _gpu_labels(gpu: dict[str, Any], host: str) -> dict[str, Any]:
         "gpu": gpu.get("index"),
         "UUID": gpu.get("uuid"),
         "pci_bus_id": nvml_bus_id(gpu.get("bus_id")),
-        "modelName": gpu.get("name") if _known(gpu.get("name")) else "",
+        "modelName": gpu.get("name") if _writable(gpu.get("name")) else "",
         "Hostname": host,
     }
 
@@ -196,5 +198,5 @@ def samples(
     return [
         (name, {key: str(value) for key, value in labels.items()}, float(value))
         for name, labels, value in out
-        if _known(value)
+        if _writable(value)
     ]

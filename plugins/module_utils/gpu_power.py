@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .nvml_probe import UNSUPPORTED, Reader, probe_nvml, session
+from .nvml_probe import Reader, known, probe_nvml, session
 from .pcie import is_bus_id, normalize_bus_id
 
 VARIABLE = "gpu_power_limit_watts"
@@ -159,7 +159,7 @@ def _read(reader: Reader, what: str, function: str, *args: Any) -> Any:
     value, error = reader.call(function, *args)
     if value is None and error is None:
         return None  # a setter's answer
-    if value is None or value == UNSUPPORTED:
+    if not known(value):
         why = error if error is not None else f"this NVML binding has no {function}"
         raise NvmlFailed(f"{what} ({function}): {why}")
     return value

@@ -277,12 +277,13 @@ def binding(nvml: Any) -> dict[str, Any]:
     return found
 
 
-def _known(value: Any) -> bool:
+def known(value: Any) -> bool:
+    """Whether NVML gave the value: neither UNSUPPORTED nor None (the call failed)."""
     return value is not None and value != UNSUPPORTED
 
 
 def _convert(value: Any, convert: Any) -> Any:
-    return convert(value) if _known(value) else value
+    return convert(value) if known(value) else value
 
 
 def _nvlinks_active(reader: Reader, handle: Any) -> Any:
@@ -302,21 +303,21 @@ def _nvlinks_active(reader: Reader, handle: Any) -> Any:
 
 def _retired_pages(reader: Reader, handle: Any) -> Any:
     single = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_SINGLE_BIT)
-    if not _known(single):
+    if not known(single):
         return single
     double = reader.get("retired_pages", "nvmlDeviceGetRetiredPages", handle, PAGE_RETIREMENT_DOUBLE_BIT)
     pending = reader.get("retired_pages", "nvmlDeviceGetRetiredPagesPendingStatus", handle)
     # 7.352 returns a map object (written for Python 2's list-returning map).
     return {
         "single_bit_ecc": len(list(single)),
-        "double_bit_ecc": len(list(double)) if _known(double) else double,
-        "pending": bool(pending) if _known(pending) else pending,
+        "double_bit_ecc": len(list(double)) if known(double) else double,
+        "pending": bool(pending) if known(pending) else pending,
     }
 
 
 def _remapped_rows(reader: Reader, handle: Any) -> Any:
     rows = reader.get("remapped_rows", "nvmlDeviceGetRemappedRows", handle)
-    if not _known(rows):
+    if not known(rows):
         return rows
     correctable, uncorrectable, pending, failure = rows
     return {
@@ -335,13 +336,13 @@ def _throttle_mask(reader: Reader, handle: Any) -> Any:
 
 
 def _device(nvml: Any, index: int) -> tuple[Reader, Any]:
-    """Return a reader and the handle of GPU index (not _known when NVML refused it)."""
+    """Return a reader and the handle of GPU index (not known when NVML refused it)."""
     reader = Reader(nvml)
     return reader, reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
 
 
 def _watts(milliwatts: Any) -> Any:
-    return round(milliwatts / 1000, 2) if _known(milliwatts) else milliwatts
+    return round(milliwatts / 1000, 2) if known(milliwatts) else milliwatts
 
 
 def _gpu_util(rates: Any) -> Any:
@@ -349,14 +350,14 @@ def _gpu_util(rates: Any) -> Any:
 
 
 def _joules(millijoules: Any) -> Any:
-    return round(millijoules / 1000, 3) if _known(millijoules) else millijoules
+    return round(millijoules / 1000, 3) if known(millijoules) else millijoules
 
 
 def power_fields(reader: Reader, handle: Any) -> dict[str, Any]:
     """Return draw, enforced limit, the limit's constraints and default (W), and the energy counter (J)."""
     get = reader.get
     limits = get("power_limit_range_w", "nvmlDeviceGetPowerManagementLimitConstraints", handle)
-    low, high = (_watts(limits[0]), _watts(limits[1])) if _known(limits) else (limits, limits)
+    low, high = (_watts(limits[0]), _watts(limits[1])) if known(limits) else (limits, limits)
     # Millijoules since the driver loaded; Volta and newer only (older cards: unsupported).
     energy = get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle)
     default = get("power_limit_default_w", "nvmlDeviceGetPowerManagementDefaultLimit", handle)
@@ -373,7 +374,7 @@ def power_fields(reader: Reader, handle: Any) -> dict[str, Any]:
 def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """Return one GPU's NVML facts."""
     reader, handle = _device(nvml, index)
-    if not _known(handle):
+    if not known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
     pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
@@ -387,9 +388,9 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
         "name": _convert(get("name", "nvmlDeviceGetName", handle), _text),
         "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
         "serial": _convert(get("serial", "nvmlDeviceGetSerial", handle), _text),
-        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
-        "memory_total_mib": memory.total // (1024 * 1024) if _known(memory) else memory,
-        "compute_capability": "{}.{}".format(*capability) if _known(capability) else capability,
+        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if known(pci) else pci,
+        "memory_total_mib": memory.total // (1024 * 1024) if known(memory) else memory,
+        "compute_capability": "{}.{}".format(*capability) if known(capability) else capability,
         "vbios_version": _convert(get("vbios_version", "nvmlDeviceGetVbiosVersion", handle), _text),
         "pcie": {
             "gen_current": get("pcie.gen_current", "nvmlDeviceGetCurrPcieLinkGeneration", handle),
@@ -404,10 +405,10 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
         "fan_speed_pct": get("fan_speed_pct", "nvmlDeviceGetFanSpeed", handle),
         "sm_clock_mhz": get("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, CLOCK_SM),
         "sm_clock_max_mhz": get("sm_clock_max_mhz", "nvmlDeviceGetMaxClockInfo", handle, CLOCK_SM),
-        "throttle_reasons": decode_throttle_reasons(throttle) if _known(throttle) else throttle,
-        "ecc_mode": {"current": _enabled(ecc[0]), "pending": _enabled(ecc[1])} if _known(ecc) else ecc,
+        "throttle_reasons": decode_throttle_reasons(throttle) if known(throttle) else throttle,
+        "ecc_mode": {"current": _enabled(ecc[0]), "pending": _enabled(ecc[1])} if known(ecc) else ecc,
         "persistence_mode": _convert(get("persistence_mode", "nvmlDeviceGetPersistenceMode", handle), _enabled),
-        "mig_mode": {"current": _enabled(mig[0]), "pending": _enabled(mig[1])} if _known(mig) else mig,
+        "mig_mode": {"current": _enabled(mig[0]), "pending": _enabled(mig[1])} if known(mig) else mig,
         "nvlinks_active": _nvlinks_active(reader, handle),
         "numa_node": get("numa_node", "nvmlDeviceGetNumaNodeId", handle),
         "retired_pages": _retired_pages(reader, handle),
@@ -419,7 +420,7 @@ def probe_gpu(nvml: Any, index: int) -> dict[str, Any]:
 
 def _system_driver(reader: Reader, proc_root: str) -> dict[str, Any]:
     cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2")
-    if not _known(cuda):
+    if not known(cuda):
         cuda = reader.get("cuda_driver_version", "nvmlSystemGetCudaDriverVersion")
     return driver_facts(
         "loaded",
@@ -442,7 +443,7 @@ def probe_nvml(nvml: Any, proc_root: str = "/proc", modules_root: str = "/lib/mo
             reader = Reader(nvml)
             driver = _system_driver(reader, proc_root)
             count = reader.get("count", "nvmlDeviceGetCount")
-            gpus = [probe_gpu(nvml, index) for index in range(count if _known(count) else 0)]
+            gpus = [probe_gpu(nvml, index) for index in range(count if known(count) else 0)]
     except nvml.NVMLError as exc:
         driver = driver_state_from_error(error_code(exc), str(exc), proc_root, modules_root)
         gpus = []
@@ -463,8 +464,8 @@ def _fans(reader: Reader, handle: Any) -> Any:
     count = reader.get("fans", "nvmlDeviceGetNumFans", handle)
     if count == UNSUPPORTED:
         speed = reader.get("fans", "nvmlDeviceGetFanSpeed", handle)
-        return [{"speed_pct": speed, "target_pct": UNSUPPORTED}] if _known(speed) else speed
-    if not _known(count):
+        return [{"speed_pct": speed, "target_pct": UNSUPPORTED}] if known(speed) else speed
+    if not known(count):
         return count
     return [
         {
@@ -479,7 +480,7 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
     """Return what the health watch reads of one GPU each pass (gpu_health's sample shape): fewer
     calls than probe_gpu, which also reads what does not change (name, VBIOS, NVLinks, NUMA)."""
     reader, handle = _device(nvml, index)
-    if not _known(handle):
+    if not known(handle):
         return {"index": index, "errors": reader.errors}
     get = reader.get
     pci = get("bus_id", "nvmlDeviceGetPciInfo", handle)
@@ -488,7 +489,7 @@ def health_gpu(nvml: Any, index: int) -> dict[str, Any]:
         "uuid": _convert(get("uuid", "nvmlDeviceGetUUID", handle), _text),
         # The metrics' modelName label (gpu_metrics); the watch's decisions do not read it.
         "name": _convert(get("name", "nvmlDeviceGetName", handle), _text),
-        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if _known(pci) else pci,
+        "bus_id": nvml_bus_id_to_sysfs(pci.busId) if known(pci) else pci,
         "temperature_c": get("temperature_c", "nvmlDeviceGetTemperature", handle, TEMPERATURE_GPU),
         "fans": _fans(reader, handle),
         "power_draw_w": _watts(get("power_draw_w", "nvmlDeviceGetPowerUsage", handle)),
@@ -521,7 +522,7 @@ def health_sample(nvml: Any) -> dict[str, Any]:
             count = Reader(nvml).get("count", "nvmlDeviceGetCount")
             return {
                 "driver_state": "loaded",
-                "gpus": [health_gpu(nvml, i) for i in range(count if _known(count) else 0)],
+                "gpus": [health_gpu(nvml, i) for i in range(count if known(count) else 0)],
             }
     except nvml.NVMLError as exc:
         return {"driver_state": f"nvmlInit failed: {exc}", "gpus": []}
@@ -536,13 +537,13 @@ def energy_counters(nvml: Any) -> dict[str, float]:
     try:
         with session(nvml):
             count = Reader(nvml).get("count", "nvmlDeviceGetCount")
-            for index in range(count if _known(count) else 0):
+            for index in range(count if known(count) else 0):
                 reader, handle = _device(nvml, index)
-                if not _known(handle):
+                if not known(handle):
                     continue
                 uuid = reader.get("uuid", "nvmlDeviceGetUUID", handle)
                 joules = _joules(reader.get("energy_total_j", "nvmlDeviceGetTotalEnergyConsumption", handle))
-                if _known(uuid) and _known(joules):
+                if known(uuid) and known(joules):
                     counters[_text(uuid)] = joules
     except nvml.NVMLError:
         return {}

@@ -62,7 +62,7 @@ def gpu_energy(nvml: Any) -> list[dict[str, Any]]:
             count = reader.get("count", "nvmlDeviceGetCount")
             for index in range(count if isinstance(count, int) else 0):
                 handle = reader.get("handle", "nvmlDeviceGetHandleByIndex", index)
-                if handle in (None, nvml_probe.UNSUPPORTED):
+                if not nvml_probe.known(handle):
                     continue
                 uuid = reader.get("uuid", "nvmlDeviceGetUUID", handle)
                 minor = reader.get("minor", "nvmlDeviceGetMinorNumber", handle)
