@@ -5,12 +5,12 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Molecule scenarios, the longest first (docs/benchmarks/ci.md), so that the last one to start is
+# Molecule scenarios, the longest first (tests/benchmarks/ci.md), so that the last one to start is
 # a short one; then every other scenario, found on disk.
 MOLECULE_FIRST := cluster nightly inference network slurm probes
 SCENARIOS ?= $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(sort $(notdir $(patsubst %/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))))
 # Scenarios at a time. Two on a 2-core machine: a scenario leaves the CPU idle while it waits on
-# apt, pip, systemd and its own timed checks (docs/benchmarks/ci.md has the figures).
+# apt, pip, systemd and its own timed checks (tests/benchmarks/ci.md has the figures).
 MOLECULE_JOBS ?= 2
 export MOLECULE_JOBS
 SCENARIO ?=
@@ -109,7 +109,7 @@ unit: venv-torch ## Unit tests (ansible-test units, pytest): modules, module_uti
 	@# ansible's module_utils importable); the rest (filters, callbacks, templates, scripts, trainer,
 	@# worker) through pytest directly: ansible-test forks every test, so each module-scoped fixture
 	@# (a torchrun of every DDP option, a loaded model, a built tarball) ran again for each test, about
-	@# 40% of the suite's time (docs/benchmarks/ci.md). 2 workers each. Plain `pytest` runs everything.
+	@# 40% of the suite's time (tests/benchmarks/ci.md). 2 workers each. Plain `pytest` runs everything.
 	tests/sanity/run-ansible-test units --python 3.11 --color no $(UNIT_ISOLATED)
 	$(BIN)/python -m pytest -n 2 -p no:cacheprovider $(addprefix --ignore=,$(UNIT_ISOLATED)) tests/unit
 

@@ -4,7 +4,8 @@ Builds the tarball with `ansible-galaxy collection build`, installs it with `ans
 collection install` into a temporary collections path, and from a temporary directory outside
 the checkout (no ansible.cfg: ANSIBLE_CONFIG names an empty file, HOME is temporary) checks every
 playbook by its FQCN, and runs the installed nightly script as its cron entry would. Fails on a
-developer-only file in the tarball (galaxy.yml's build_ignore).
+developer-only file in the tarball (galaxy.yml's build_ignore), on the lab in it, and on a script in
+it that users do not run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ DEVELOPER_PATHS = (
     ".collections/",
     ".venv/",
     ".cache/",
+    ".whl/",
     "changelogs/fragments/",
     "inventory/demo/",
     "Makefile",
@@ -47,6 +49,22 @@ DEVELOPER_PATHS = (
     "scripts/run-molecule",
     "scripts/demo-cluster",
 )
+# The lab: the benchmark programs and ci.md, the log of CI runs. In the checkout only; a copy of one
+# of its files anywhere in the tarball fails as well.
+LAB = REPO / "tests" / "benchmarks"
+# scripts/ in the tarball: what roles install or run (gpu-health: role gpu_health, gpu-power: gpu_power,
+# gpu-probe: probe, nightly-reprovision: reprovision's cron entry) and what people run on a node or
+# the control node (gpu-smoke, fill-wheelhouse, build-llama-server, inference-loadtest). No benchmark.
+USER_SCRIPTS = {
+    "build-llama-server",
+    "fill-wheelhouse",
+    "gpu-health",
+    "gpu-power",
+    "gpu-probe",
+    "gpu-smoke",
+    "inference-loadtest",
+    "nightly-reprovision",
+}
 
 
 def tool(name: str) -> str:
@@ -91,6 +109,17 @@ def test_the_tarball_holds_no_developer_file(installed):
     assert not found, f"developer files in {tarball.name}: {found}"
 
 
+def test_the_tarball_holds_no_lab_and_only_the_scripts_users_run(installed):
+    with tarfile.open(installed[0]) as archive:
+        names = archive.getnames()
+    lab_files = {path.name for path in LAB.iterdir()}
+    assert {"ci.md", "scaling.py", "inference_batching.py"} <= lab_files, sorted(lab_files)
+    lab = [name for name in names if name.startswith("tests/") or Path(name).name in lab_files]
+    assert not lab, f"the lab in the tarball: {lab}"
+    scripts = {name.removeprefix("scripts/") for name in names if name.startswith("scripts/")}
+    assert scripts == USER_SCRIPTS, f"in the tarball or USER_SCRIPTS only: {sorted(scripts ^ USER_SCRIPTS)}"
+
+
 def test_the_tarball_holds_what_galaxy_and_users_need(installed):
     with tarfile.open(installed[0]) as archive:
         names = set(archive.getnames())
@@ -99,6 +128,8 @@ def test_the_tarball_holds_what_galaxy_and_users_need(installed):
     wanted |= {f"roles/{role}/README.md" for role in roles}
     wanted |= {f"playbooks/{name}.yml" for name in PLAYBOOKS}
     wanted |= {"scripts/nightly-reprovision", "inventory/example/hosts.yml"}
+    # What users read of the figures: every page under docs/ (the lab's log is not one of them).
+    wanted |= {str(path.relative_to(REPO)) for path in (REPO / "docs").rglob("*.md")}
     assert not wanted - names, f"missing from the tarball: {sorted(wanted - names)}"
     assert "site" in PLAYBOOKS and all("-" not in name for name in PLAYBOOKS), PLAYBOOKS
 

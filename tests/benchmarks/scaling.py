@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The scaling benchmark of docs/benchmarks/scaling.md: samples/s and scaling efficiency of the
 example trainer's model at 1, 2 and 4 nodes, for the old trainer's pattern, stock DDP, DDP with the
 step timer, fp16, PowerSGD, two bucket sizes and accumulation, with each node's link shaped (tbf) so
@@ -9,7 +8,7 @@ alone), each with the same CPU quota and one process of one thread; torch from t
 installed once into --torch-dir and mounted read-only with the trainer's files. Every container and
 the network are removed at the end, and before the start if an earlier run left them.
 
-    python3 scripts/bench-scaling.py --out /tmp/scaling.json      # then: --table /tmp/scaling.json
+    python3 tests/benchmarks/scaling.py --out /tmp/scaling.json      # then: --table /tmp/scaling.json
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 NODES = [f"scaling-node{i}" for i in range(1, 5)]
 NETWORK, SUBNET = "scaling-net", "10.231.227.0/24"
 IMAGE = "budgetgpu-node:bookworm"
@@ -64,14 +64,14 @@ def start(cpus: float, period_ms: float, torch_path: Path) -> None:
            f"--cpu-quota={int(cpus * period_us)}", "--cap-add", "NET_ADMIN",
            "-v", f"{torch_path}:/opt/torch:ro", "-v", f"{ROOT / 'roles/torchrun/files'}:/opt/code:ro",
            "-v", f"{ROOT / 'plugins/module_utils'}:/opt/node/budgetgpu_node:ro",
-           "-v", f"{ROOT / 'scripts'}:/opt/bench:ro", "--entrypoint", "sleep", IMAGE, "infinity")  # fmt: skip
+           "-v", f"{HERE}:/opt/bench:ro", "--entrypoint", "sleep", IMAGE, "infinity")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.time() + args.minutes * 60
     env = ["-e", "PYTHONPATH=/opt/torch:/opt/node", "-e", "OMP_NUM_THREADS=1", "-e", "GLOO_SOCKET_IFNAME=eth0",
            "-e", "MASTER_ADDR=10.231.227.11", "-e", f"MASTER_PORT={PORT}", "-e", "WORLD_SIZE=4"]  # fmt: skip
-    worker = ["python3", "/opt/bench/bench_scaling_worker.py", "--code", "/opt/code", "--deadline", str(deadline),
+    worker = ["python3", "/opt/bench/scaling_worker.py", "--code", "/opt/code", "--deadline", str(deadline),
               "--rounds", str(args.rounds), "--global-batch", str(args.global_batch), "--steps", str(args.steps),
               "--hidden", str(args.hidden), "--layers", str(args.layers), "--ratios", args.ratios,
               "--options4", args.options4, "--options2", args.options2]  # fmt: skip
@@ -149,8 +149,8 @@ def main() -> int:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_scaling_worker import option_fields
+    sys.path.insert(0, str(HERE))
+    from scaling_worker import option_fields
 
     try:  # a mistyped row fails here, not after the containers have started and calibrated
         for option in filter(None, f"{args.options4},{args.options2}".split(",")):

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Batching across requests in the built-in inference worker (issue 29, item 5): req/s and p50
 latency at concurrency 1, 4 and 16, batching on and off, interleaved in one run.
 
-    .venv/bin/python scripts/bench-inference-batching [--repeats 5] [--task embeddings|generation|both]
-                                                      [--window-ms 2] [--json FILE]
+    .venv/bin/python tests/benchmarks/inference_batching.py [--repeats 5] [--task embeddings|generation|both]
+                                                            [--window-ms 2] [--json FILE]
 
 It builds two models with random weights in a temporary folder (nothing is downloaded): a BERT of
 hidden 256 and 4 layers with a WordPiece tokenizer trained here (embeddings), and a GPT-2 of the
@@ -32,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "roles" / "inference" / "files" / "inference_worker.py"
 TINY_LM = ROOT / "tests" / "fixtures" / "tiny_lm.py"
 CONCURRENCY = (1, 4, 16)

@@ -1,11 +1,11 @@
-"""One node's process of the scaling benchmark (scripts/bench-scaling starts one per node container).
+"""One node's process of the scaling benchmark (scaling.py beside it starts one per node container).
 
 All nodes join one gloo group; the benchmark then runs, round after round, every option at 4 nodes,
 2 nodes (a subgroup of ranks 0-1) and 1 node, at the same global batch, under two link shapings
 (tbf on each container's eth0, set by the workers themselves at the start of each block). Rank 0
-prints one JSON line per measured row; scripts/bench-scaling collects them. Imports the trainer
+prints one JSON line per measured row; scaling.py collects them. Imports the trainer
 (train_ddp: model, data) from --code and budgetgpu_node.straggler (wrap_ddp, the step timer) from the
-node package (bench-scaling.py mounts plugins/module_utils as /opt/node/budgetgpu_node, on PYTHONPATH).
+node package (scaling.py mounts plugins/module_utils as /opt/node/budgetgpu_node, on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def throttled_s() -> float:
 def option_fields(option: str) -> dict[str, Any]:
     """The job's options (CommSettings' fields) of a row name: "+"-joined fp16, powersgd, bucketN
     (MB), accumulateN, and legacy, ddp or timer, which leave the defaults. ValueError names a word
-    that is none of these (bench-scaling checks the rows with it before it starts the containers)."""
+    that is none of these (scaling.py checks the rows with it before it starts the containers)."""
     fields: dict[str, Any] = {}
     for word in option.split("+"):
         number = word.removeprefix("bucket") if word.startswith("bucket") else word.removeprefix("accumulate")
