@@ -45,7 +45,8 @@ PLAYBOOK = """
     - name: Write what the firewall would admit
       ansible.builtin.copy:
         content: >-
-          {{ {'records': _nccl_network_member_records, 'addresses': _nccl_network_member_addresses} | to_json }}
+          {{ {'records': _nccl_network_plan['member_records'], 'addresses': _nccl_network_plan['member_addresses']}
+             | to_json }}
         dest: "{{ result_file }}"
         mode: "0644"
 """
