@@ -66,7 +66,7 @@ ROWS = table_rows((REPO / "docs" / "root-actions.md").read_text())
 def test_every_unit_template_has_a_row():
     named = " ".join(row[0] for row in ROWS)
     missing = [path for path in unit_templates() if f"`{path}`" not in named]
-    assert not missing, "unit templates without a row in docs/root-actions.md's table:\n" + "\n".join(missing)
+    assert not missing, "unit templates without a row in docs/root-actions.md:\n" + "\n".join(missing)
 
 
 def test_every_root_task_on_a_job_path_has_a_row():
@@ -75,7 +75,7 @@ def test_every_root_task_on_a_job_path_has_a_row():
         for path, name in root_tasks_on_job_paths()
         if not any(f"`{path}`" in row[0] and f'"{name}"' in row[0] for row in ROWS)
     ]
-    assert not missing, "root tasks on a job's paths without a row in docs/root-actions.md's table:\n" + "\n".join(missing)
+    assert not missing, "root tasks on a job's paths without a row in docs/root-actions.md:\n" + "\n".join(missing)
 
 
 def test_every_row_says_who_runs_it():
