@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Molecule scenarios, the longest first (tests/benchmarks/ci.md), so that the last one to start is
 # a short one; then every other scenario, found on disk.
-MOLECULE_FIRST := cluster nightly inference network slurm probes
+MOLECULE_FIRST := cluster nightly inference network slurm monitoring
 SCENARIOS ?= $(MOLECULE_FIRST) $(filter-out $(MOLECULE_FIRST),$(sort $(notdir $(patsubst %/molecule.yml,%,$(wildcard molecule/*/molecule.yml)))))
 # Scenarios at a time. Two on a 2-core machine: a scenario leaves the CPU idle while it waits on
 # apt, pip, systemd and its own timed checks (tests/benchmarks/ci.md has the figures).

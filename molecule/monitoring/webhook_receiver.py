@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A webhook receiver for the probes scenario (not shipped): every POST body Alertmanager sends, one JSON
-line each, appended to the file named on the command line. Runs on probes-h200 as a transient unit."""
+"""A webhook receiver for the monitoring scenario (not shipped): every POST body Alertmanager sends, one JSON
+line each, appended to the file named on the command line. Runs on monitoring-h200 as a transient unit."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_faults_take_gpu_2_out_and_each_change_is_logged_once(host):
     before = len(journal(host))
     faults(host, replays=500)
     host.check_output(
-        f"echo 'Dec  1 02:00:00 probes-3090 kernel: NVRM: Xid (PCI:0000:03:00): 79, pid=4242, name=python3, "
+        f"echo 'Dec  1 02:00:00 monitoring-3090 kernel: NVRM: Xid (PCI:0000:03:00): 79, pid=4242, name=python3, "
         f"GPU has fallen off the bus.' >> {KERN_LOG}"
     )
     write(host, AER, "RxErr 40\nBadTLP 0\nBadDLLP 0\nRollover 0\nTimeout 0\nNonFatalErr 0\nTOTAL_ERR_COR 40\n")
@@ -153,7 +153,7 @@ def test_the_next_job_start_leaves_the_quarantined_gpus_out_or_holds_a_fixed_job
     assert (one["argv"], one["visible"]) == (["--nproc-per-node=1", "train.py"], None)
     # An inference worker's ExecCondition, and the local fact preflight reads.
     worker = host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {FAULTY}")
-    assert worker.rc == 1 and f"probes-3090: not starting: {FAULTY} quarantined since" in worker.stderr
+    assert worker.rc == 1 and f"monitoring-3090: not starting: {FAULTY} quarantined since" in worker.stderr
     assert host.run(f"runuser -u nobody -- /usr/local/bin/gpu-health check {GPUS[0]}").rc == 0
     fact = json.loads(host.check_output("/etc/ansible/facts.d/budgetgpu_gpu_health.fact"))
     assert set(fact["quarantine"]) == {LISTED, FAULTY}
@@ -165,7 +165,7 @@ def test_gpu_release_names_what_is_quarantined_then_returns_the_gpu(host, playbo
 
     wrong = release("GPU-deadbeef-0000-0000-0000-000000000000")
     assert wrong.returncode != 0
-    assert "probes-3090: GPU GPU-deadbeef-0000-0000-0000-000000000000 is not quarantined here" in wrong.stdout
+    assert "monitoring-3090: GPU GPU-deadbeef-0000-0000-0000-000000000000 is not quarantined here" in wrong.stdout
     assert FAULTY in wrong.stdout and LISTED in wrong.stdout
     listed = release(LISTED)
     assert listed.returncode != 0 and "is listed in gpu_health_quarantine" in listed.stdout

@@ -14,7 +14,7 @@ testinfra_hosts = testinfra.utils.ansible_runner.AnsibleRunner(os.environ["MOLEC
 )
 
 UNIT = "budgetgpu-gpu-power.service"
-CAPS = {"probes-3090": [280000, 280000, 280000, 250000], "probes-h200": [500000]}
+CAPS = {"monitoring-3090": [280000, 280000, 280000, 250000], "monitoring-h200": [500000]}
 H200_UUID = "GPU-0f7beba8-d2ad-9855-c2eb-a600187383a0"
 # What nvidia-smi -q -d POWER reads, through the node's (simulated) NVML.
 READ = (
@@ -43,13 +43,13 @@ def test_caps_are_set_and_the_boot_unit_is_enabled(host):
     unit = host.service(UNIT)
     assert unit.is_enabled and unit.is_running  # oneshot, RemainAfterExit
     table = host.check_output("gpu-probe --sysfs-root /var/lib/budgetgpu-sim/sys")
-    expected = "/250 W (100-400)" if name == "probes-3090" else "/500 W (200-700)"
+    expected = "/250 W (100-400)" if name == "monitoring-3090" else "/500 W (200-700)"
     assert expected in table and "energy since the driver loaded: GPU 0 " in table
 
 
 def test_node_without_a_driver_has_nothing_to_cap(host):
-    if host.backend.get_hostname() != "probes-nvml":
-        pytest.skip("a check for probes-nvml")
+    if host.backend.get_hostname() != "monitoring-nvml":
+        pytest.skip("a check for monitoring-nvml")
     assert host.service(UNIT).is_enabled
     assert json.loads(host.file("/etc/budgetgpu/gpu-power.json").content_string)["caps"] == {}
     assert "no power caps declared" in host.check_output(f"journalctl -u {UNIT} --no-pager")
@@ -87,8 +87,8 @@ def test_jobs_and_workers_start_after_the_boot_unit(host):
 
 
 def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, tmp_path, playbook):
-    if host.backend.get_hostname() != "probes-3090":
-        pytest.skip("one run for the scenario, on probes-3090")
+    if host.backend.get_hostname() != "monitoring-3090":
+        pytest.skip("one run for the scenario, on monitoring-3090")
     # nvidia-smi -i 3 -pl 400
     host.check_output(
         'python3 -c "import pynvml as n; n.nvmlInit(); '
@@ -98,13 +98,14 @@ def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, t
     report = tmp_path / "drift.json"
     # As the nightly run does it: safe mode, the drift report callback on.
     done = playbook(
-        "provision.yml", "--skip-tags", OTHER_ROLES, "--limit", "probes-3090", "-e", '{"budgetgpu_safe_mode": true}',
+        "provision.yml", "--skip-tags", OTHER_ROLES, "--limit", "monitoring-3090",
+        "-e", '{"budgetgpu_safe_mode": true}',
         ANSIBLE_CALLBACKS_ENABLED="budgetgpu.cluster.drift_report", BUDGETGPU_DRIFT_REPORT=str(report),
         ANSIBLE_CALLBACK_RESULT_FORMAT="json",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert limits(host) == CAPS["probes-3090"]
-    changed = json.loads(report.read_text())["hosts"]["probes-3090"]["changed"]
+    assert limits(host) == CAPS["monitoring-3090"]
+    changed = json.loads(report.read_text())["hosts"]["monitoring-3090"]["changed"]
     power = [entry for entry in changed if entry["role"] == "gpu_power"]
     assert [entry["drift"] for entry in power] == [
         ["GPU 3 (GPU-30900003-5a1e-4c0d-9b7e-000000000003, 0000:04:00.0, NVIDIA GeForce RTX 3090): "
@@ -114,17 +115,17 @@ def test_a_cap_changed_by_hand_is_corrected_by_the_next_run_and_reported(host, t
 
 
 def test_preflight_refuses_a_cap_out_of_the_cards_range_and_changes_nothing(host, playbook):
-    if host.backend.get_hostname() != "probes-h200":
-        pytest.skip("one run for the scenario, on probes-h200")
+    if host.backend.get_hostname() != "monitoring-h200":
+        pytest.skip("one run for the scenario, on monitoring-h200")
     config = host.file("/etc/budgetgpu/gpu-power.json").content_string
     done = playbook(
-        "preflight.yml", "--limit", "probes-h200", "-e", '{"gpu_power_limit_watts": {"all": 800}}',
+        "preflight.yml", "--limit", "monitoring-h200", "-e", '{"gpu_power_limit_watts": {"all": 800}}',
         ANSIBLE_CALLBACK_RESULT_FORMAT="json",
     )  # fmt: skip
     assert done.returncode != 0
     assert (
-        f"FAIL probes-h200: gpu_power_limit_watts['all']: GPU 0 ({H200_UUID}, 0000:00:06.0, NVIDIA H200): 800 W is "
+        f"FAIL monitoring-h200: gpu_power_limit_watts['all']: GPU 0 ({H200_UUID}, 0000:00:06.0, NVIDIA H200): 800 W is "
         "outside the card's range 200-700 W" in done.stdout
     ), done.stdout[-3000:]
-    assert limits(host) == CAPS["probes-h200"]
+    assert limits(host) == CAPS["monitoring-h200"]
     assert host.file("/etc/budgetgpu/gpu-power.json").content_string == config

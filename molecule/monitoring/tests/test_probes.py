@@ -26,8 +26,8 @@ def by_bus(pcie):
 
 def test_risers_node_tells_slot_limits_from_the_bad_riser(host):
     data = facts(host)
-    if data["host"] != "probes-3090":
-        pytest.skip("a check for probes-3090")
+    if data["host"] != "monitoring-3090":
+        pytest.skip("a check for monitoring-3090")
     assert data["gpus"]["driver"]["state"] == "loaded" and data["gpus"]["count"] == 4
     assert {gpu["name"] for gpu in data["gpus"]["gpus"]} == {"NVIDIA GeForce RTX 3090"}
     assert data["pcie"]["count"] == 4  # the HDMI audio functions are not GPUs
@@ -41,8 +41,8 @@ def test_risers_node_tells_slot_limits_from_the_bad_riser(host):
 
 def test_h200_node_matches_the_reference_capture(host):
     data = facts(host)
-    if data["host"] != "probes-h200":
-        pytest.skip("a check for probes-h200")
+    if data["host"] != "monitoring-h200":
+        pytest.skip("a check for monitoring-h200")
     gpu = data["gpus"]["gpus"][0]
     assert (gpu["name"], gpu["memory_total_mib"], gpu["compute_capability"]) == ("NVIDIA H200", 143771, "9.0")
     assert gpu["fan_speed_pct"] == gpu["nvlinks_active"] == gpu["numa_node"] == "unsupported"
@@ -52,8 +52,8 @@ def test_h200_node_matches_the_reference_capture(host):
 
 def test_real_libnvidia_ml_without_driver_says_not_loaded(host):
     data = facts(host)
-    if data["host"] != "probes-nvml":
-        pytest.skip("a check for probes-nvml")
+    if data["host"] != "monitoring-nvml":
+        pytest.skip("a check for monitoring-nvml")
     assert host.package("libnvidia-ml1").is_installed
     assert not host.file("/usr/local/lib/budgetgpu-sim/python/pynvml.py").exists  # the real nvidia-ml-py answers
     driver = data["gpus"]["driver"]

@@ -48,7 +48,7 @@ def test_every_gpu_metric_the_dashboard_asks_for_is_in_prometheus_for_every_simu
 
 def test_the_report_charts_every_simulated_gpu_from_this_prometheus(host, playbook, tmp_path):
     targets = {t["labels"]["instance"]: t["scrapeUrl"] for t in api(host, "targets")["activeTargets"]}
-    address = targets["probes-nvml"].split("//")[1].rsplit(":", 1)[0]  # its cluster address, as the host reaches it
+    address = targets["monitoring-nvml"].split("//")[1].rsplit(":", 1)[0]  # its cluster address, as the host reaches it
     url = f"http://{address}:9090"
     done = playbook(
         "report.yml",
@@ -65,8 +65,8 @@ def test_the_report_charts_every_simulated_gpu_from_this_prometheus(host, playbo
     start = page.index("<h2>GPU temperature</h2>")
     temperature = page[start : page.index("</section>", start)]
     for number in range(4):
-        assert f"probes-3090 GPU {number}" in temperature and GPUS_3090[number] in temperature
-    assert "probes-h200 GPU 0" in temperature and H200 in temperature
+        assert f"monitoring-3090 GPU {number}" in temperature and GPUS_3090[number] in temperature
+    assert "monitoring-h200 GPU 0" in temperature and H200 in temperature
     assert "NVIDIA H200" in temperature and "data:image/png;base64," in temperature
     pngs = {p.name: p.stat().st_size for p in (tmp_path / "report").glob("*.png")}
     assert "panel-2-gpu-temperature.png" in pngs and "panel-3-gpu-power-draw-and-limit.png" in pngs
