@@ -3,7 +3,7 @@
 Usage: python3 tests/check_node_python.py [--list]   (`make lint` runs it with .venv's python)
 
 Node code runs under the node's own python3 (role node_venv makes its venv from it; root's looks run
-it bare), and the oldest a supported release ships is Ubuntu 22.04's 3.10 (README, "Platforms").
+it bare), and the oldest a supported release ships is Ubuntu 22.04's 3.10 (docs/platforms.md).
 The controller is 3.11, so a 3.11-only call there (`datetime.UTC`) passes every test that runs it in
 .venv and crashes on the node. vermin reads the files for the minimum version every module,
 function, keyword and syntax they use needs, and fails on any above FLOOR. --list prints the files
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The system python3 of each release README.md's "Platforms" lists; node code runs under every one.
+# The system python3 of each release docs/platforms.md lists; node code runs under every one.
 RELEASES = {"3.10": "Ubuntu 22.04", "3.11": "Debian 12", "3.12": "Ubuntu 24.04", "3.13": "Debian 13"}
 FLOOR = min(RELEASES, key=lambda version: tuple(map(int, version.split("."))))
 # Annotations are checked as if evaluated: `from __future__ import annotations` hides them from the

@@ -49,7 +49,7 @@ ROLE_PREFIXES = (
 CLUSTER_PREFIX = "budgetgpu_"
 
 # Inputs that no role's argument spec holds, with their specs: the cluster-wide ones
-# (CONTRIBUTING.md, "Cluster-wide inputs"; each role maps them to a prefixed variable of its own)
+# (docs/inputs-and-paths.md; each role maps them to a prefixed variable of its own)
 # and the few read with a default where they are used.
 OTHER_INPUTS = {
     "budgetgpu_cluster_subnet": {"type": "str"},

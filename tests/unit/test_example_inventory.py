@@ -10,7 +10,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "inventory/example/group_vars/all.yml").read_text())
-# Cluster-wide inputs (CONTRIBUTING.md) that no single role owns.
+# Cluster-wide inputs (docs/inputs-and-paths.md) that no single role owns.
 CLUSTER_WIDE = {
     "budgetgpu_cluster_subnet",
     "budgetgpu_user",
