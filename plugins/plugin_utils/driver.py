@@ -38,6 +38,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.nvml_probe import known
+
 FLAVORS = ("open", "proprietary")
 
 # (first id, last id, architecture, compute capability major.minor of the family's first chip)
@@ -92,7 +94,7 @@ def gpu_architecture_from_device_id(device_id: Any) -> str:
 
 def parse_compute_capability(value: Any) -> tuple[int, int] | None:
     """Return a compute capability ("8.6", 8.6, [8, 6], {"major": 8, "minor": 6}) as (8, 6)."""
-    if value is None or value == "unsupported":
+    if not known(value):
         return None
     if isinstance(value, dict):
         try:
