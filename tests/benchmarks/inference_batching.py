@@ -53,7 +53,7 @@ def _load(name: str, path: Path):
 
 def sentences(count: int, words: tuple[int, int], seed: int) -> list[str]:
     rng, vocabulary = random.Random(seed), TEXT.split()
-    return [" ".join(rng.choice(vocabulary) for _ in range(rng.randint(*words))) for _ in range(count)]
+    return [" ".join(rng.choice(vocabulary) for _word in range(rng.randint(*words))) for _sentence in range(count)]
 
 
 def build_bert(directory: Path) -> Path:
@@ -157,7 +157,7 @@ async def run_cell(task: Task, window_ms: float, concurrency: int) -> dict[str, 
         for body in task.bodies[:2]:  # this app's first requests (thread pool, allocator) untimed
             await client.post(task.path, json=body)
         start = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        await asyncio.gather(*(one_client() for _client in range(concurrency)))
         wall = time.perf_counter() - start
     app.state.executor.shutdown(wait=True)
     if app.state.batcher is not None:
