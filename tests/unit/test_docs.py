@@ -13,7 +13,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = sorted(path.parents[1] for path in REPO.glob("roles/*/meta/argument_specs.yml"))
-PAGES = sorted([REPO / "README.md", REPO / "CONTRIBUTING.md", *REPO.glob("docs/*.md"), *REPO.glob("roles/*/README.md")])
+PAGES = sorted(
+    [REPO / "README.md", REPO / "CONTRIBUTING.md", *REPO.glob("docs/**/*.md"), *REPO.glob("roles/*/README.md")]
+)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 # A table row whose first cell starts with a name in backticks: | `name` ... |
