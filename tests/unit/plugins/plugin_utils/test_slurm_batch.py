@@ -126,14 +126,18 @@ RENDER = """\
         role_path: "{{ test_repo }}/roles/slurm"
         _slurm_home: /opt/s
         _slurm_jobs_dir: "{{ test_out }}"
-        job: "{{ test_jobs | budgetgpu.cluster.slurm_batch_jobs(test_nodes, {}, inventory_hostname) | first }}"
+        job: "{{ test_job }}"
 """
 
 
 def render(tmp_path: Path, job: dict) -> str:
-    """The role's templates as Ansible renders them, for the job through the filter: the script's text (the
-    environment file lies beside it as <job>.env, where the script looks)."""
-    variables = {"test_repo": str(REPO), "test_out": str(tmp_path), "test_jobs": [job], "test_nodes": NODES}
+    """The role's templates as Ansible renders them, for the job as batch_jobs gives it (role slurm's plan): the
+    script's text (the environment file lies beside it as <job>.env, where the script looks)."""
+    variables = {
+        "test_repo": str(REPO),
+        "test_out": str(tmp_path),
+        "test_job": batch_jobs([job], NODES, {}, "node7")[0],
+    }
     result = run_playbook(tmp_path, RENDER, variables)
     assert result.returncode == 0, output_of(result)
     (tmp_path / "slurm-job-environment.j2").rename(tmp_path / f"{job['name']}.env")
