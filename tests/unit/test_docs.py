@@ -47,7 +47,7 @@ def broken_links(page: Path) -> list[str]:
     for target in LINK.findall(FENCE.sub("", page.read_text())):
         if re.match(r"[a-z]+:", target):
             continue
-        path, _, anchor = target.partition("#")
+        path, _hash, anchor = target.partition("#")
         resolved = (page.parent / path).resolve() if path else page
         missing_heading = anchor and resolved.suffix == ".md" and anchor not in anchors(resolved)
         if not resolved.exists() or missing_heading:
