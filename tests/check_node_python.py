@@ -14,7 +14,6 @@ Exit status: 0 every file runs on FLOOR, 1 a file needs more (vermin names the f
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,6 @@ VERMIN_OPTIONS = [
     "--no-tips",
     "--no-config-file",
 ]
-INSTALLED = re.compile(r"/\.\./\.\./scripts/([\w.-]+)")
 
 
 def _is_python(path: Path) -> bool:
@@ -48,21 +46,13 @@ def _is_python(path: Path) -> bool:
     return first.startswith(b"#!") and b"python" in first
 
 
-def installed_scripts() -> list[Path]:
-    """The checkout's scripts that a role installs on the nodes, as its tasks name them
-    (role_path ~ '/../../scripts/gpu-health'): a new one is checked without being listed here."""
-    names = {name for tasks in REPO.glob("roles/*/tasks/*.yml") for name in INSTALLED.findall(tasks.read_text())}
-    return [REPO / "scripts" / name for name in sorted(names)]
-
-
 def node_code() -> list[Path]:
     """The node package, the modules (Ansible runs them with the node's python3), every Python file a
     role ships in its files/ (the two its tasks run on the control node, model_digest.py and
-    comm_plot.py, are held to the floor all the same: one rule for the folder), the scripts roles install
-    and gpu-smoke (run by hand on a GPU node)."""
+    comm_plot.py, are held to the floor all the same: one rule for the folder), the node programs among
+    them (gpu-health, gpu-power, gpu-probe, and gpu-smoke, run by hand on a GPU node)."""
     files = sorted(REPO.glob("plugins/module_utils/*.py")) + sorted(REPO.glob("plugins/modules/*.py"))
-    files += sorted(path for path in REPO.glob("roles/*/files/**/*") if _is_python(path))
-    return files + installed_scripts() + [REPO / "scripts" / "gpu-smoke"]
+    return files + sorted(path for path in REPO.glob("roles/*/files/**/*") if _is_python(path))
 
 
 def vermin() -> str:

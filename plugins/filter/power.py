@@ -2,7 +2,7 @@
 
 Thin wrappers: the rules live in plugins/module_utils/gpu_power.py (which GPU gets which cap, the
 card's range, the node's budget) and plugins/module_utils/energy.py (kWh and cost), which the
-gpu_power_limits module, scripts/gpu-power and scripts/gpu-probe run on the nodes.
+gpu_power_limits module, roles/gpu_power/files/gpu-power and roles/probe/files/gpu-probe run on the nodes.
 """
 
 from __future__ import annotations

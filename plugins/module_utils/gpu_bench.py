@@ -3,7 +3,7 @@ figures mean (each GPU against the median of its model across the cluster: strag
 likely cause, copies held back by their PCIe link).
 
 Plain standard-library Python with no imports from the rest of the collection, so that
-`scripts/gpu-probe --bench` loads this file by path on a node, and the filter
+`roles/probe/files/gpu-probe --bench` loads this file by path on a node, and the filter
 `gpu_bench_report` runs it on the control node. The measuring part is gpu_bench_measure.py.
 
 A result is one GPU's measurement (gpu_bench_measure.measure_gpu):

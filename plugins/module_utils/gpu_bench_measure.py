@@ -2,7 +2,7 @@
 dtypes the card runs, device memory bandwidth, pinned host-to-device and device-to-host copies,
 with NVML's temperature, SM clock, power and throttle reasons sampled during each GPU's run.
 
-`scripts/gpu-probe --bench` (which playbooks/gpu_bench.yml runs on every node) imports it as
+`roles/probe/files/gpu-probe --bench` (which playbooks/gpu_bench.yml runs on every node) imports it as
 budgetgpu_node.gpu_bench_measure in the job venv's python (torch) and calls measure(), which returns {host, backend,
 seconds_per_gpu, gpus: [result]} (gpu_bench.py describes a result). The measuring
 takes a device backend: `cuda` times torch's kernels with CUDA events; `sim` (gpu_sim nodes, which

@@ -2,9 +2,9 @@
 setting it through NVML.
 
 The one place for these rules: preflight (filter gpu_power_problems, on gpu_facts' answers), the
-gpu_power_limits module (role gpu_power) and the boot-time applier scripts/gpu-power all call
+gpu_power_limits module (role gpu_power) and the boot-time applier roles/gpu_power/files/gpu-power all call
 resolve_caps and cap_problems. Plain standard-library Python; the only import from the collection
-are pcie's bus id rule and nvml_probe, which scripts/gpu-power finds beside this file on sys.path.
+are pcie's bus id rule and nvml_probe, which roles/gpu_power/files/gpu-power finds beside this file on sys.path.
 
 gpu_power_limit_watts is either watts for every GPU of the node, or a mapping whose keys are
 "all" (every GPU), a GPU model as NVML names it ("NVIDIA GeForce RTX 3090"), a GPU UUID

@@ -4,7 +4,7 @@ with prometheus_client.
 
 Rank 0 of a job writes its status (straggler.py write_status: step,
 steps per second over the last window, each rank's compute seconds per step, the straggler ratio)
-to /var/lib/budgetgpu/jobs/<job>/status.json. The health watch (scripts/gpu-health, an unprivileged
+to /var/lib/budgetgpu/jobs/<job>/status.json. The health watch (roles/gpu_health/files/gpu-health, an unprivileged
 user of its own, each pass) reads those files and the jobs' units' state and writes their metrics
 into its own state directory, which a link shows to node exporter: the job's user never writes to
 node exporter's directory, and nobody but the watch writes the metrics.

@@ -1,7 +1,7 @@
 """Prometheus' text format for node exporter's textfile collector, written by prometheus_client.
 
 The node's writers keep their samples, (name, labels, value), and a table of their names, {name: (type,
-help)}: the health watch (scripts/gpu-health: gpu_metrics.py, job_metrics.py) and role node_exporter's
+help)}: the health watch (roles/gpu_health/files/gpu-health: gpu_metrics.py, job_metrics.py) and role node_exporter's
 RAPL reader (energy.py). This writes them: a format someone else maintains comes from its library.
 
 prometheus_client is imported when exposition is called (the watch's `check` and `fact` write no

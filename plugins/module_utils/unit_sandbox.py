@@ -1,6 +1,6 @@
 """The sandbox of every unit that runs users' code on the GPUs: the training jobs (role torchrun) and
 the inference workers (role inference) render it through the ``unit_hardening`` filter, and
-``scripts/gpu-smoke --sandbox`` rebuilds it on a node without Ansible. Stdlib only.
+``roles/probe/files/gpu-smoke --sandbox`` rebuilds it on a node without Ansible. Stdlib only.
 """
 
 from __future__ import annotations

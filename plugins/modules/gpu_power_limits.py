@@ -19,7 +19,7 @@ description:
     a GPU named twice with two caps, or caps whose sum exceeds the budget; the message names the host,
     the GPU (index, UUID, bus id), the value and the range.
   - NVML forgets the limits at a reboot; role C(budgetgpu.cluster.gpu_power) installs a oneshot unit
-    that runs the same code (C(scripts/gpu-power)) at boot.
+    that runs the same code (C(roles/gpu_power/files/gpu-power)) at boot.
   - The rules live in C(plugins/module_utils/gpu_power.py), which preflight uses too.
 author:
   - budgetgpu maintainers (!UNKNOWN)

@@ -2,7 +2,7 @@
 options that make them mode 0660 of that group, and the device minors each unit that runs users' code may open.
 
 The node side (the DeviceAllow= entries, GPU_GROUP, the mode) is ``module_utils/device_allow.py``, which
-``scripts/gpu-smoke`` loads on a node; this module is the controller's planning over the probe's facts.
+``roles/probe/files/gpu-smoke`` loads on a node; this module is the controller's planning over the probe's facts.
 """
 
 from __future__ import annotations

@@ -45,8 +45,10 @@ CHECK = load_file_module("check_node_python", REPO / "tests" / "check_node_pytho
 PINS = REPO / "roles" / "node_venv" / "files" / "requirements.txt"
 GPU_SIM = REPO / "roles" / "gpu_sim" / "files"
 PROFILES = GPU_SIM / "profiles"
-SCRIPTS = REPO / "scripts"
-FILES = {role: REPO / "roles" / role / "files" for role in ("torchrun", "slurm", "node_exporter", "python_env")}
+FILES = {
+    role: REPO / "roles" / role / "files"
+    for role in ("torchrun", "slurm", "node_exporter", "_trusted_venv", "gpu_health", "gpu_power", "probe")
+}
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the program accepts only root-owned directories")
 
 # A node program's main() with some of its constants set (the paths a root program fixes: slurmd's tools,
@@ -194,10 +196,10 @@ def watch_pass(node: Node, tmp_path: Path) -> tuple[Path, dict, str]:
     path = tmp_path / "gpu-health.json"
     path.write_text(json.dumps(config))
     env = {"BUDGETGPU_SIM_FAULTS": str(tmp_path / "faults.json")}
-    out = node.ok(SCRIPTS / "gpu-health", "--config", path, "pass", profile="rtx3090x4-risers", env=env)
+    out = node.ok(FILES["gpu_health"] / "gpu-health", "--config", path, "pass", profile="rtx3090x4-risers", env=env)
     # The first pass starts the kernel log at its end; the second reads what came after.
     (tmp_path / "kern.log").write_text(XID_79)
-    out += node.ok(SCRIPTS / "gpu-health", "--config", path, "pass", profile="rtx3090x4-risers", env=env)
+    out += node.ok(FILES["gpu_health"] / "gpu-health", "--config", path, "pass", profile="rtx3090x4-risers", env=env)
     return path, config, out
 
 
@@ -207,22 +209,22 @@ def test_a_health_watch_pass_takes_the_gpu_out_and_answers_the_commands(node, tm
     assert "fan 0% (target 80%) at 88 C" in out
     found = metrics(Path(config["metrics_file"]))
     assert any(name.startswith("budgetgpu_gpu_") and GPUS[2] in name for name in found), sorted(found)
-    fact = json.loads(node.ok(SCRIPTS / "gpu-health", "--config", path, "fact"))
+    fact = json.loads(node.ok(FILES["gpu_health"] / "gpu-health", "--config", path, "fact"))
     assert set(fact["quarantine"]) == {GPUS[1], GPUS[2]}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", fact["updated"]), fact  # now_text(), in UTC
-    assert node.run(SCRIPTS / "gpu-health", "--config", path, "check", GPUS[2]).returncode == 1
-    assert node.run(SCRIPTS / "gpu-health", "--config", path, "check", GPUS[0]).returncode == 0
-    released = node.ok(SCRIPTS / "gpu-health", "--config", path, "release", GPUS[2])
+    assert node.run(FILES["gpu_health"] / "gpu-health", "--config", path, "check", GPUS[2]).returncode == 1
+    assert node.run(FILES["gpu_health"] / "gpu-health", "--config", path, "check", GPUS[0]).returncode == 0
+    released = node.ok(FILES["gpu_health"] / "gpu-health", "--config", path, "release", GPUS[2])
     assert released.startswith("node1: ") and "released" in released
 
 
 def test_gpu_probe_json_over_a_sysfs_tree_and_gpu_smoke_on_the_saved_outputs(node, tmp_path, h200_sysfs):
-    probe = node.ok(SCRIPTS / "gpu-probe", "--json", "--sysfs-root", h200_sysfs, profile="h200")
+    probe = node.ok(FILES["probe"] / "gpu-probe", "--json", "--sysfs-root", h200_sysfs, profile="h200")
     data = json.loads(probe)
     assert data["gpus"]["gpus"][0]["name"] == "NVIDIA H200"
     assert data["pcie"]["gpus"][0]["effective"]["width"] == 16
     (tmp_path / "probe.json").write_text(probe)
-    report = node.ok(SCRIPTS / "gpu-smoke", "--probe-json", tmp_path / "probe.json", "--smi-csv", H200_CSV)
+    report = node.ok(FILES["probe"] / "gpu-smoke", "--probe-json", tmp_path / "probe.json", "--smi-csv", H200_CSV)
     counts = re.search(r"(\d+) of (\d+) fields agree$", report.strip())
     assert counts and counts[1] == counts[2], report
 
@@ -230,9 +232,9 @@ def test_gpu_probe_json_over_a_sysfs_tree_and_gpu_smoke_on_the_saved_outputs(nod
 def test_gpu_power_sets_a_cap_then_finds_it_set(node, tmp_path):
     config = tmp_path / "gpu-power.json"
     config.write_text(json.dumps({"node": "node1", "caps": {"04:00.0": 250}, "budget_watts": None}))
-    out = node.ok(SCRIPTS / "gpu-power", "--config", config, profile="rtx3090x4-risers")
+    out = node.ok(FILES["gpu_power"] / "gpu-power", "--config", config, profile="rtx3090x4-risers")
     assert out.strip().endswith("NVIDIA GeForce RTX 3090): power limit 350 W -> 250 W")
-    again = node.ok(SCRIPTS / "gpu-power", "--config", config, "--json", profile="rtx3090x4-risers")
+    again = node.ok(FILES["gpu_power"] / "gpu-power", "--config", config, "--json", profile="rtx3090x4-risers")
     assert json.loads(again)["changed"] is False
 
 
@@ -296,15 +298,16 @@ def test_the_launcher_holds_a_fixed_job_that_needs_a_gpu_taken_out(node, tmp_pat
 def test_roots_looks_at_the_node_venv_with_the_system_python(node):
     # The venv lies under /tmp, which every user may write: root names it and reads no metadata there.
     wanted = [f"{name}=={version}" for name, version in pins().items()]
-    look = [node.system, "-I", FILES["python_env"] / "venv_state.py", node.venv, *wanted]
+    look = [node.system, "-I", FILES["_trusted_venv"] / "venv_state.py", node.venv, *wanted]
     state = json.loads(subprocess.run(look, capture_output=True, text=True, check=True).stdout)
     assert state["exists"] and state["site_packages"].endswith(f"/lib/python{node.version}/site-packages")
     assert state["unsafe_above"].startswith("/tmp is writable by every user") and state["satisfied"] == [None, None]
+    # The inference role's look at the rest of the node (its venv's is the one above, role _trusted_venv's).
     inference = REPO / "roles" / "inference" / "files" / "inference_state.py"
-    args = {"venv": str(node.venv), "requirements": wanted}
-    look = [node.system, "-I", "-c", inference.read_text(), json.dumps(args), look[2].read_text()]
+    args = {"wheelhouse": str(node.home), "users": ["root"]}
+    look = [node.system, "-I", "-c", inference.read_text(), json.dumps(args)]
     found = json.loads(subprocess.run(look, capture_output=True, text=True, check=True).stdout)
-    assert found["trust"]["unsafe_above"] == state["unsafe_above"] and found["missing"] == wanted
+    assert found["wheelhouse"] is False and found["users"]["root"]["uid"] == 0
 
 
 def test_the_reachability_probe_reaches_its_own_listener(node):
@@ -326,7 +329,8 @@ def test_the_static_check_fails_on_a_311_only_call(tmp_path):
 
 def test_the_static_check_covers_every_node_program():
     listed = {str(path.relative_to(REPO)) for path in CHECK.node_code()}
-    assert {"scripts/gpu-health", "scripts/gpu-power", "scripts/gpu-probe", "scripts/gpu-smoke"} <= listed
+    assert {"roles/gpu_health/files/gpu-health", "roles/gpu_power/files/gpu-power"} <= listed
+    assert {"roles/probe/files/gpu-probe", "roles/probe/files/gpu-smoke"} <= listed
     assert {"roles/torchrun/files/train_ddp.py", "plugins/module_utils/straggler.py"} <= listed
     assert {"roles/torchrun/files/budgetgpu-job-record", "roles/node_exporter/files/budgetgpu-rapl"} <= listed
     assert not any(name.startswith(("plugins/filter/", "plugins/plugin_utils/")) for name in listed)

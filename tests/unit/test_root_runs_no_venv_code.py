@@ -4,8 +4,8 @@ The plays run with become: true. The training user can write what it runs (its j
 compromised training script) and, in an earlier release, could write the venv: a .pth file there
 runs in every interpreter the venv starts, as whoever starts it. So a command task whose
 program lies in a venv runs as another user (become_user) or drops root itself (setpriv); root
-reads a venv with the system python (python_env's files/venv_state.py). ansible.builtin.pip is
-the one exception: python_env runs it as root only in a venv that nobody but root can have written.
+reads a venv with the system python (role _trusted_venv's files/venv_state.py). ansible.builtin.pip is
+the one exception: role _trusted_venv runs it as root only in a venv that nobody but root can have written.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Role firewall, the one nftables mechanism of the collection: each caller's ports (the training table of
+"""Role _firewall, the one nftables mechanism of the collection: each caller's ports (the training table of
 nccl_network, inference's workers and gateways, Slurm's daemons, the exporters) admit their hosts and
 refuse everyone else, in a table of the caller's own. The template is rendered with the inputs the
 callers compute (filters firewall_rules, inference_firewall_ports, nccl_member_lines)."""
@@ -15,7 +15,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_lines, nccl_recorded_members
 
 ROLES = Path(__file__).resolve().parents[3] / "roles"
-TEMPLATE = ROLES / "firewall/templates/budgetgpu.nft.j2"
+TEMPLATE = ROLES / "_firewall/templates/budgetgpu.nft.j2"
 CALLERS = ("nccl_network", "inference", "slurm", "node_exporter", "prometheus", "alertmanager")
 
 
@@ -152,11 +152,11 @@ def test_every_caller_includes_the_role_with_a_table_of_its_own():
         for path in sorted((ROLES / role / "tasks").glob("*.yml")):
             for task in yaml.safe_load(path.read_text()) or []:
                 include = task.get("ansible.builtin.include_role") or {}
-                if include.get("name") == "budgetgpu.cluster.firewall":
+                if include.get("name") == "budgetgpu.cluster._firewall":
                     names[role] = task["vars"]["firewall_name"]
-    assert set(names) == set(CALLERS), "a caller without role firewall keeps a firewall of its own"
+    assert set(names) == set(CALLERS), "a caller without role _firewall keeps a firewall of its own"
     assert len(set(names.values())) == len(CALLERS), f"two callers would replace each other's table: {names}"
-    assert not list(ROLES.glob("*/templates/*.nft.j2"))[1:], "one nft template, role firewall's"
+    assert not list(ROLES.glob("*/templates/*.nft.j2"))[1:], "one nft template, role _firewall's"
 
 
 PASSWD = {
@@ -223,7 +223,7 @@ def test_callers_name_who_may_connect_from_the_node():
         for path in sorted((ROLES / role / "tasks").glob("*.yml")):
             for task in yaml.safe_load(path.read_text()) or []:
                 include = task.get("ansible.builtin.include_role") or {}
-                if include.get("name") == "budgetgpu.cluster.firewall":
+                if include.get("name") == "budgetgpu.cluster._firewall":
                     local[role] = [rule.get("local") for rule in task["vars"]["firewall_rules"]]
     assert local["alertmanager"] == [["prometheus"], []]
     assert local["prometheus"] == [["prometheus"]] and local["node_exporter"] == [["prometheus"]]
@@ -256,7 +256,7 @@ def test_inference_gives_its_worker_entries_alone_local_users():
     Prometheus' users: a job on the node calls the gateway, which stays open to every local user."""
     tasks = yaml.safe_load((ROLES / "inference/tasks/main.yml").read_text())
     (include,) = [
-        t for t in tasks if (t.get("ansible.builtin.include_role") or {}).get("name") == "budgetgpu.cluster.firewall"
+        t for t in tasks if (t.get("ansible.builtin.include_role") or {}).get("name") == "budgetgpu.cluster._firewall"
     ]
     assert "selectattr('what', 'search', ' workers$')" in include["vars"]["firewall_rules"]
     assert "['www-data']" in include["vars"]["__inference_local"]

@@ -1,6 +1,7 @@
-"""Root runs pip in the inference venv only when python_env's trust check passes it (issue 24): the
-inference role's one look at a node (roles/inference/files/inference_state.py) runs that check,
-python_env's own venv_state.py, and reads nothing from a venv that another user may change."""
+"""Root runs pip in the inference venv only when the job venv's trust check passes it (issue 24): the
+inference role looks at its workers' venv through role _trusted_venv, the look python_env's venv passes
+(roles/_trusted_venv/files/venv_state.py), and reads nothing from a venv that another user may change;
+its one look at the rest of the node (roles/inference/files/inference_state.py) reads the users."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import venv
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 LOOK = REPO / "roles" / "inference" / "files" / "inference_state.py"
-TRUST = REPO / "roles" / "python_env" / "files" / "venv_state.py"
+TRUST = REPO / "roles" / "_trusted_venv" / "files" / "venv_state.py"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another uid")
 
 
@@ -31,22 +33,36 @@ def make_venv(root: Path, marker: Path) -> Path:
 
 
 def look(path: Path, *requirements: str) -> dict:
-    args = {"venv": str(path), "requirements": list(requirements)}
+    """The role's look at its workers' venv (role _trusted_venv's), with `missing`: the requirements it does
+    not vouch for."""
     out = subprocess.run(
-        [sys.executable, "-I", "-c", LOOK.read_text(), json.dumps(args), TRUST.read_text()],
+        [sys.executable, "-I", "-c", TRUST.read_text(), str(path), *requirements],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return json.loads(out)
+    found = json.loads(out)
+    return found | {
+        "missing": [req for req, have in zip(requirements, found["satisfied"], strict=True) if have is None]
+    }
 
 
-def test_the_role_passes_python_envs_own_trust_check_to_the_look():
-    install = (REPO / "roles" / "inference" / "tasks" / "install.yml").read_text()
-    assert "role_path ~ '/../python_env/files/venv_state.py'" in install
-    assert "Refuse to run pip in a venv that others may change" in install
-    # The assert comes before pip.
-    assert install.index("Refuse to run pip") < install.index("Install the worker's pinned packages")
+def test_the_role_passes_its_venv_through_the_trusted_venv_look_before_pip():
+    tasks = yaml.safe_load((REPO / "roles" / "inference" / "tasks" / "install.yml").read_text())
+    names = [task["name"] for task in tasks]
+    includes = {
+        task["name"]: task["ansible.builtin.include_role"] for task in tasks if "ansible.builtin.include_role" in task
+    }
+    refusal = includes["Refuse to run pip in a venv that others may change"]
+    assert refusal == {"name": "budgetgpu.cluster._trusted_venv", "tasks_from": "look"}
+    assert includes["Install the worker's pinned packages into the venv"]["tasks_from"] == "install"
+    # The look (and its refusal) comes before pip, and both look at inference_venv.
+    assert names.index("Refuse to run pip in a venv that others may change") < names.index(
+        "Install the worker's pinned packages into the venv"
+    )
+    looked = next(task for task in tasks if task["name"] == "Refuse to run pip in a venv that others may change")
+    assert looked["vars"]["_trusted_venv_path"] == "{{ inference_venv }}"
+    assert "venv_state.py" not in (REPO / "roles" / "inference" / "tasks" / "install.yml").read_text()
 
 
 def test_a_venv_root_alone_wrote_is_trusted_and_read(tmp_path):
@@ -58,9 +74,9 @@ def test_a_venv_root_alone_wrote_is_trusted_and_read(tmp_path):
         text=True,
         check=True,
     )
-    assert got["trust"]["unsafe_inside"] is None
-    assert got["trust"]["unsafe_above"] == json.loads(expected_above.stdout)["unsafe_above"]
-    if got["trust"]["unsafe_above"] is None:
+    assert got["unsafe_inside"] is None
+    assert got["unsafe_above"] == json.loads(expected_above.stdout)["unsafe_above"]
+    if got["unsafe_above"] is None:
         assert got["missing"] == ["other==2.0"]
     assert not (tmp_path / "marker").exists()
 
@@ -70,7 +86,7 @@ def test_a_venv_the_training_user_owns_is_refused_and_not_read(tmp_path):
     site = make_venv(tmp_path, tmp_path / "marker")
     os.chown(site / "zz-planted.pth", 1234, 1234)
     got = look(tmp_path / "venv", "demo==1.0")
-    assert got["trust"]["unsafe_inside"] == f"{site / 'zz-planted.pth'} is owned by uid 1234"
+    assert got["unsafe_inside"] == f"{site / 'zz-planted.pth'} is owned by uid 1234"
     assert got["missing"] == ["demo==1.0"]  # nothing vouched for from a venv another user may have written
     assert not (tmp_path / "marker").exists()  # and nothing of it ran
 
@@ -80,16 +96,16 @@ def test_a_user_owned_venv_directory_is_refused(tmp_path):
     make_venv(tmp_path, tmp_path / "marker")
     os.chown(tmp_path / "venv", 1234, 1234)
     got = look(tmp_path / "venv", "demo==1.0")
-    assert got["trust"]["unsafe_inside"] == f"{tmp_path / 'venv'} is owned by uid 1234"
+    assert got["unsafe_inside"] == f"{tmp_path / 'venv'} is owned by uid 1234"
     assert not (tmp_path / "marker").exists()
 
 
 def test_the_look_reports_the_service_users_accounts_and_uid_min(tmp_path):
     # The role refuses a service user that is an existing system account it did not create (issue 40):
     # the look reads each user's uid and passwd comment, and the node's UID_MIN.
-    args = {"venv": str(tmp_path / "none"), "users": ["root", "no-such-user-budgetgpu"]}
+    args = {"users": ["root", "no-such-user-budgetgpu"], "wheelhouse": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-I", "-c", LOOK.read_text(), json.dumps(args), TRUST.read_text()],
+        [sys.executable, "-I", "-c", LOOK.read_text(), json.dumps(args)],
         capture_output=True,
         text=True,
         check=True,
@@ -97,3 +113,4 @@ def test_the_look_reports_the_service_users_accounts_and_uid_min(tmp_path):
     got = json.loads(out)
     assert got["users"]["root"]["uid"] == 0 and got["users"]["no-such-user-budgetgpu"] is None
     assert isinstance(got["uid_min"], int) and got["uid_min"] >= 100
+    assert got["wheelhouse"] is False

@@ -1,4 +1,4 @@
-"""What root learns about the venv (roles/python_env/files/venv_state.py) without running its code.
+"""What root learns about a venv (roles/_trusted_venv/files/venv_state.py) without running its code.
 
 A .pth file in a venv's site-packages runs in every interpreter that venv starts, with its
 caller's rights: root must never start the venv's python where another user may have written it.
@@ -17,7 +17,7 @@ import pytest
 from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
 REPO = Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "roles" / "python_env" / "files" / "venv_state.py"
+SCRIPT = REPO / "roles" / "_trusted_venv" / "files" / "venv_state.py"
 state = load_file_module("venv_state", SCRIPT)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another uid")
 

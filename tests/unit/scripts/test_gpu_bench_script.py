@@ -82,7 +82,8 @@ def sim_node(tmp_path, sim_tree):
 
 def bench(sim_node, *options: str) -> subprocess.CompletedProcess[str]:
     root, env = sim_node
-    argv = [sys.executable, str(REPO / "scripts" / "gpu-probe"), "--bench", "--backend", "sim", "--sysfs-root", root]
+    probe = REPO / "roles" / "probe" / "files" / "gpu-probe"
+    argv = [sys.executable, str(probe), "--bench", "--backend", "sim", "--sysfs-root", root]
     # The test's own interpreter as the job venv's, as the user who runs the test (root on CI).
     argv += ["--python", sys.executable, "--user", getpass.getuser(), "--seconds", "30", *options]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)

@@ -1,4 +1,4 @@
-"""scripts/gpu-health against what a job's user can put in its own directory (issue 24): a status file
+"""roles/gpu_health/files/gpu-health against what a job's user can put in its own directory (issue 24): a status file
 that is a JSON list, a 400-digit integer, a lone surrogate, a FIFO, a link to /dev/zero, 2 MB, 100,000
 ranks; each costs that job's metrics only, the pass stays on time; and the watch's own state.json empty
 or cut means "no quarantine known" (beyond the inventory's), logged, never "skip every worker".
@@ -68,7 +68,7 @@ def test_each_bad_status_file_costs_only_its_jobs_metrics_and_the_pass_stays_on_
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     done = subprocess.run(
-        [sys.executable, str(child), str(REPO / "scripts" / "gpu-health"), str(root)],
+        [sys.executable, str(child), str(REPO / "roles" / "gpu_health" / "files" / "gpu-health"), str(root)],
         capture_output=True,
         text=True,
         timeout=20,

@@ -1,4 +1,4 @@
-"""scripts/gpu-health: one watch pass over gpu_sim's NVML with injected faults, the state file, the
+"""roles/gpu_health/files/gpu-health: one watch pass over gpu_sim's NVML with injected faults, the state file, the
 change lines (once), the quarantine, release; and the launcher leaving quarantined GPUs out."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def watch(fake_pynvml, sim_tree, tmp_path, monkeypatch):
     """(script module, config, faults writer) for a 4x RTX 3090 node with a kern.log file."""
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
-    script = load_file_module("gpu_health_script", REPO / "scripts" / "gpu-health")
+    script = load_file_module("gpu_health_script", REPO / "roles" / "gpu_health" / "files" / "gpu-health")
     faults = tmp_path / "faults.json"
     monkeypatch.setenv("BUDGETGPU_SIM_FAULTS", str(faults))
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml("rtx3090x4-risers"))

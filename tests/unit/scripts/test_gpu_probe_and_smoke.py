@@ -1,4 +1,4 @@
-"""scripts/gpu-probe and scripts/gpu-smoke: same facts as the modules, readable table, field checks."""
+"""gpu-probe and gpu-smoke (roles/probe/files): same facts as the modules, readable table, field checks."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ H200_CSV = REPO / "tests" / "fixtures" / "h200-node" / "nvidia-smi-query.csv"
 def probe_script():
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
-    return load_file_module("gpu_probe", REPO / "scripts" / "gpu-probe")
+    return load_file_module("gpu_probe", REPO / "roles" / "probe" / "files" / "gpu-probe")
 
 
 @pytest.fixture
 def smoke_script():
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
-    return load_file_module("gpu_smoke", REPO / "scripts" / "gpu-smoke")
+    return load_file_module("gpu_smoke", REPO / "roles" / "probe" / "files" / "gpu-smoke")
 
 
 def test_probe_table_shows_link_limit_and_reason(probe_script, fake_pynvml, sim_tree):
@@ -63,7 +63,7 @@ def test_probe_runs_with_plain_python_and_the_gpu_sim_pynvml(tmp_path, sim_tree)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{NODE_PACKAGES}")
     env["BUDGETGPU_SIM_PROFILE"] = str(REPO / "roles" / "gpu_sim" / "files" / "profiles" / "h200.json")
     env["BUDGETGPU_SIM_STATE"] = str(tmp_path / "sim-state.json")
-    command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-probe"), "--json"]
+    command = [sys.executable, "-s", str(REPO / "roles" / "probe" / "files" / "gpu-probe"), "--json"]
     done = subprocess.run(
         [*command, "--sysfs-root", sim_tree("h200")], capture_output=True, text=True, env=env, check=False
     )

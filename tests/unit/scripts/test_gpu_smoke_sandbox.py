@@ -1,4 +1,4 @@
-"""scripts/gpu-smoke --sandbox: the job unit's sandbox read from the unit or the role, the systemd-run
+"""roles/probe/files/gpu-smoke --sandbox: the job unit's sandbox read from the unit or the role, the systemd-run
 command built from it, the CUDA probe's result read back and judged, all without a GPU or systemd."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ OLD_LIST = ["char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r
 def smoke():
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
-    return load_file_module("gpu_smoke_sandbox", REPO / "scripts" / "gpu-smoke")
+    return load_file_module("gpu_smoke_sandbox", REPO / "roles" / "probe" / "files" / "gpu-smoke")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""scripts/gpu-smoke --sandbox's line about nvidia-uvm at boot: the device node and the modules-load.d entry."""
+"""gpu-smoke --sandbox (roles/probe/files): its line about nvidia-uvm at boot, the device node and modules-load.d."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 def smoke():
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
-    return load_file_module("gpu_smoke_uvm", REPO / "scripts" / "gpu-smoke")
+    return load_file_module("gpu_smoke_uvm", REPO / "roles" / "probe" / "files" / "gpu-smoke")
 
 
 def test_uvm_node_and_the_entry_that_loads_it(smoke, tmp_path):

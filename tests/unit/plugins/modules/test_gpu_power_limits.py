@@ -1,4 +1,4 @@
-"""gpu_power_limits module, scripts/gpu-power on a node, the filters and the role's unit ordering."""
+"""gpu_power_limits module, roles/gpu_power/files/gpu-power on a node, the filters and the role's unit ordering."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_gpu_power_script_runs_with_the_node_package_and_no_ansible(tmp_path):
         "BUDGETGPU_SIM_PROFILE": str(GPU_SIM / "profiles" / "rtx3090x4-risers.json"),
         "BUDGETGPU_SIM_STATE": str(tmp_path / "state.json"),
     }
-    command = [sys.executable, "-s", str(REPO / "scripts" / "gpu-power"), "--config", str(config)]
+    command = [sys.executable, "-s", str(REPO / "roles" / "gpu_power" / "files" / "gpu-power"), "--config", str(config)]
 
     def gpu_power(*extra):
         return subprocess.run([*command, *extra], env=env, capture_output=True, text=True, check=False, timeout=60)
