@@ -1,7 +1,9 @@
-"""Filters of the NVIDIA driver domain; the logic lives in plugins/plugin_utils/driver.py and kernels.py."""
+"""Filters of the NVIDIA driver domain; the logic lives in plugins/plugin_utils/driver.py and kernels.py. Role
+nvidia_driver's decisions and its one input check are one call, nvidia_driver_plan."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ansible.errors import AnsibleFilterError  # noqa: F401  re-exported for callers of the old module  # pylint: disable=unused-import
@@ -28,20 +30,46 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors im
 cuda_package_suffix = as_filter(driver.cuda_package_suffix)
 
 
+def nvidia_driver_plan(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return role nvidia_driver's decisions on one node: {secure_boot_on, flavor (module_flavor_decision),
+    headers (kernel_headers), installed_branches, problems (driver_input_problems)}. inputs: those of
+    driver_input_problems but flavor_problem, secure_boot_on and installed_branches, and secure_boot_var (the
+    SecureBoot efivar as slurp reads it), kernel_modules, pcie_gpus, nvml_gpus, kernel, in_container, kernels
+    (gpu_facts' installed kernels), kernel_series, packages (package_facts'), own_release_packages."""
+    host = inputs.get("host")
+    secure_boot_on = secure_boot_enabled(inputs.get("secure_boot_var"))
+    flavor = module_flavor_decision(
+        inputs.get("kernel_modules"), inputs.get("pcie_gpus"), inputs.get("nvml_gpus"), inputs.get("branch"), host
+    )
+    installed = driver.installed_branches(inputs.get("packages"), inputs.get("own_release_packages"))
+    headers = kernels.kernel_headers(
+        inputs.get("kernel"),
+        bool(inputs.get("in_container")),
+        inputs.get("kernels") or [],
+        inputs.get("distribution"),
+        inputs.get("version"),
+        inputs.get("kernel_series") or "",
+    )
+    checked = {**inputs, "flavor_problem": flavor["problem"], "secure_boot_on": secure_boot_on}
+    return {
+        "secure_boot_on": secure_boot_on,
+        "flavor": flavor,
+        "headers": headers,
+        "installed_branches": installed,
+        "problems": driver.driver_input_problems({**checked, "installed_branches": installed}),
+    }
+
+
 class FilterModule:
     """budgetgpu NVIDIA filters."""
 
     def filters(self) -> dict[str, Any]:
         return {
-            "nvidia_module_flavor_decision": module_flavor_decision,
-            "nvidia_driver_input_problems": driver.driver_input_problems,
+            "nvidia_driver_plan": nvidia_driver_plan,
             "cuda_input_problems": driver.cuda_input_problems,
-            "nvidia_secure_boot_enabled": secure_boot_enabled,
-            "nvidia_driver_branch": driver_branch,
             "deb_upstream_version": deb_upstream_version,
             "nccl_cuda_version": nccl_cuda_version,
             "cuda_package_suffix": cuda_package_suffix,
             "nccl_version_text": nccl_version_tuple_text,
-            "nvidia_kernel_headers": kernels.kernel_headers,
             "nvidia_kernel_problems": kernels.kernel_module_problems,
         }

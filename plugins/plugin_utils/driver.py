@@ -232,6 +232,22 @@ def driver_branch(version: Any) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# Packages whose versions are the driver's: their branches are the ones installed.
+_DRIVER_PACKAGE = re.compile(r"^(nvidia-|libnvidia-|cuda-drivers)")
+
+
+def installed_branches(packages: Mapping[str, Any] | None, own_release_packages: Any = ()) -> list[int]:
+    """Return the driver branches (300 and above) of the installed packages (package_facts' {name: [{version}]})
+    named like the driver's, less those whose versions follow releases of their own, sorted, once each."""
+    versions = [
+        entry.get("version")
+        for name, entries in (packages or {}).items()
+        if _DRIVER_PACKAGE.match(name) and name not in (own_release_packages or ())
+        for entry in entries or []
+    ]
+    return sorted({branch for branch in map(driver_branch, versions) if branch is not None and branch >= 300})
+
+
 def secure_boot_enabled(efivar_b64: Any) -> bool:
     """Return whether the SecureBoot EFI variable (base64 of its raw bytes: 4 attribute bytes and
     one value byte, as slurp returns it) says Secure Boot is on."""

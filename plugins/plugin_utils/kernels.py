@@ -3,7 +3,8 @@ that unattended-upgrades installs later, and which installed kernels have no nvi
 no driver).
 
 Pure functions of facts (gpu_facts' driver.kernels and driver.dkms, setup's kernel and distribution); no I/O, no
-Ansible. plugins/filter/nvidia.py exposes them as nvidia_kernel_headers and nvidia_kernel_problems.
+Ansible. plugins/filter/nvidia.py calls kernel_headers in nvidia_driver_plan and exposes kernel_module_problems
+as nvidia_kernel_problems.
 """
 
 from __future__ import annotations

@@ -199,4 +199,4 @@ def test_nccl_version_text(value, text):
 
 def test_filter_module_exports_every_filter():
     names = nvidia.FilterModule().filters()
-    assert {"nvidia_module_flavor_decision", "nvidia_secure_boot_enabled", "deb_upstream_version"} <= set(names)
+    assert {"nvidia_driver_plan", "nvidia_kernel_problems", "deb_upstream_version"} <= set(names)

@@ -6,6 +6,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (
     cuda_input_problems,
     cuda_major,
     driver_input_problems,
+    installed_branches,
     module_flavor_decision,
     module_options_problems,
 )
@@ -68,6 +69,20 @@ GOOD = {
     "installed_branches": [],
     "allow_branch_change": False,
 }
+
+
+def test_installed_branches_are_the_driver_packages_branches_once_each():
+    packages = {
+        "nvidia-driver": [{"version": "535.216.01-1~deb12u1"}],
+        "libnvidia-compute-550": [{"version": "550.127.05-0ubuntu1"}, {"version": "1:535.183.01-1"}],
+        "cuda-drivers": [{"version": "550.127.08-1"}],
+        # Versions of their own, and packages that only look alike.
+        "nvidia-modprobe": [{"version": "570.133.07-1"}],
+        "xserver-xorg-video-nvidia": [{"version": "560.35.03-1"}],
+        "nvidia-cuda-toolkit": [{"version": "12.0.140~12.0.1-4"}],
+    }
+    assert installed_branches(packages, ["nvidia-modprobe"]) == [535, 550]
+    assert installed_branches(None) == []
 
 
 def test_driver_inputs_that_fit_give_no_problem():
