@@ -52,16 +52,12 @@ DEVELOPER_PATHS = (
 # The lab: the benchmark programs and ci.md, the log of CI runs. In the checkout only; a copy of one
 # of its files anywhere in the tarball fails as well.
 LAB = REPO / "tests" / "benchmarks"
-# scripts/ in the tarball: what roles install or run (gpu-health: role gpu_health, gpu-power: gpu_power,
-# gpu-probe: probe, nightly-reprovision: reprovision's cron entry) and what people run on a node or
-# the control node (gpu-smoke, fill-wheelhouse, build-llama-server, inference-loadtest). No benchmark.
+# scripts/ in the tarball: the control node's tools (nightly-reprovision: reprovision's cron entry;
+# fill-wheelhouse, build-llama-server, inference-loadtest). No benchmark, no node program: those lie beside
+# the roles that install them (roles/gpu_health/files/gpu-health, roles/probe/files/gpu-probe, ...).
 USER_SCRIPTS = {
     "build-llama-server",
     "fill-wheelhouse",
-    "gpu-health",
-    "gpu-power",
-    "gpu-probe",
-    "gpu-smoke",
     "inference-loadtest",
     "nightly-reprovision",
 }
