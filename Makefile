@@ -17,7 +17,7 @@ SCENARIO ?=
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: help venv image image-trixie wheelhouse venv-torch prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
+.PHONY: help venv node-package image image-trixie wheelhouse venv-torch prerequisites demo demo-down demo-status test lint unit molecule docs-check collection clean
 
 help: ## Show the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -45,7 +45,20 @@ COLLECTION_LINKS := ansible/posix community/docker
 	@ln -sfn $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ansible_mitogen/plugins/strategy .collections/mitogen_strategy
 	@touch $@
 
-venv: $(BIN)/ansible-playbook .collections/.linked ## Create .venv with Ansible, molecule and the lint tools
+# The node package under the name the nodes give it (role node_venv installs plugins/module_utils as
+# budgetgpu_node): a folder in .venv holding a relative link budgetgpu_node -> plugins/module_utils, which
+# a .pth puts on .venv's path (the tests, the node programs run from the checkout). node-package makes
+# the link alone, for a machine that runs the checkout with its own python (tests/benchmarks/device-check.sh).
+NODE_PACKAGES := $(VENV)/node-packages
+node-package:
+	@mkdir -p $(NODE_PACKAGES) && ln -sfnr plugins/module_utils $(NODE_PACKAGES)/budgetgpu_node
+
+$(NODE_PACKAGES)/.pth-written: $(BIN)/ansible-playbook
+	@$(MAKE) --no-print-directory node-package
+	@echo $(abspath $(NODE_PACKAGES)) > $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/budgetgpu-node.pth
+	@touch $@
+
+venv: $(BIN)/ansible-playbook .collections/.linked $(NODE_PACKAGES)/.pth-written ## Create .venv with Ansible, molecule and the lint tools
 
 # Installs and starts what the demo and molecule need (as root on Debian/Ubuntu: docker.io,
 # debootstrap, dockerd); not root, it says the one command to run. `make lint unit` need none of it.

@@ -3,7 +3,8 @@ the NVML energy counters of the job's GPUs at its start and end, and the joules 
 root writes for a job, by descriptor in directories only root may write (its record, the user's
 checkpoint directory).
 
-Plain Python, stdlib only at import: playbooks/slurm_report.yml runs this file alone (python3 -I -c)."""
+Plain Python, stdlib only at import: playbooks/slurm_report.yml runs it on each node with the node venv's python,
+`-I -m budgetgpu_node.slurm_energy SINCE`."""
 
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ def read_records(directory: str, since: float) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    # playbooks/slurm_report.yml runs this file on each Slurm node: argv SINCE; prints the records.
+    # playbooks/slurm_report.yml runs this module on each Slurm node: argv SINCE; prints the records.
     import sys
 
     sys.stdout.write(json.dumps(read_records(JOBS_DIR, float(sys.argv[1]))) + "\n")

@@ -8,13 +8,13 @@
 #
 # Each part has its own time limit, so that one hang costs its part only:
 #   machine  the GPU, driver, python, torch; the device nodes and whether nvidia-uvm is loaded
-#   smoke    scripts/gpu-smoke: the probe against nvidia-smi, field by field (and gpu-probe --json saved)
-#   sandbox  scripts/gpu-smoke --sandbox-only (needs systemd as PID 1: says so where there is none)
+#   smoke    roles/probe/files/gpu-smoke: the probe against nvidia-smi, field by field (and gpu-probe --json saved)
+#   sandbox  roles/probe/files/gpu-smoke --sandbox-only (needs systemd as PID 1: says so where there is none)
 #   fsdp     tests/benchmarks/fsdp_memory.py: measured memory of GPT-2 under FSDP2 (NCCL, world size 1), beside
-#            the training memory planner's figure; then scripts/gpu-smoke --fsdp: the example trainer as an fsdp
+#            the training memory planner's figure; then roles/probe/files/gpu-smoke --fsdp: the example trainer as an fsdp
 #            job with bf16, its sharded checkpoint and its resume
-#   quant    scripts/gpu-smoke --quant: the inference worker loads a tiny model in 4 and 8 bits
-#   trainer  scripts/gpu-smoke --trainer: the example trainer with NCCL, once per gradient compression
+#   quant    roles/probe/files/gpu-smoke --quant: the inference worker loads a tiny model in 4 and 8 bits
+#   trainer  roles/probe/files/gpu-smoke --trainer: the example trainer with NCCL, once per gradient compression
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/device-check}
@@ -22,11 +22,11 @@ mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-# budgetgpu_node from the checkout, as the tests find it (CONTRIBUTING.md, "Collection layout"), and the
-# collection by its name (the fsdp part prints the training memory planner's figure beside each measured peak).
-mkdir -p /tmp/np /tmp/ac/ansible_collections/budgetgpu && ln -sfn "$PWD/plugins/module_utils" /tmp/np/budgetgpu_node
-ln -sfn "$PWD" /tmp/ac/ansible_collections/budgetgpu/cluster
-export PYTHONPATH=/tmp/np:/tmp/ac:/tmp/site PYTHONUNBUFFERED=1
+# budgetgpu_node as `make venv` gives the checkout (.venv/node-packages; here, with the machine's own python,
+# the link alone: make node-package), and the collection by its name through the checkout's .collections link
+# (the fsdp part prints the training memory planner's figure beside each measured peak).
+make --no-print-directory node-package || exit 1
+export PYTHONPATH=$PWD/.venv/node-packages:$PWD/.collections:/tmp/site PYTHONUNBUFFERED=1
 
 wanted=" ${*:-machine smoke sandbox fsdp fsdp-job quant trainer} "
 part() {
@@ -53,11 +53,11 @@ machine() {
 
 {
   part machine 20 bash -c "$(declare -f machine); machine"
-  part smoke 60 python3 scripts/gpu-smoke
-  python3 scripts/gpu-probe --json >"$out/gpu-probe.json" 2>/dev/null
-  part sandbox 30 python3 scripts/gpu-smoke --sandbox-only --python python3
+  part smoke 60 python3 roles/probe/files/gpu-smoke
+  python3 roles/probe/files/gpu-probe --json >"$out/gpu-probe.json" 2>/dev/null
+  part sandbox 30 python3 roles/probe/files/gpu-smoke --sandbox-only --python python3
   part fsdp 220 python3 tests/benchmarks/fsdp_memory.py --cases gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b
-  part fsdp-job 150 python3 scripts/gpu-smoke --fsdp --python python3
-  part quant 100 python3 scripts/gpu-smoke --quant --python python3
-  part trainer 200 python3 scripts/gpu-smoke --trainer --python python3
+  part fsdp-job 150 python3 roles/probe/files/gpu-smoke --fsdp --python python3
+  part quant 100 python3 roles/probe/files/gpu-smoke --quant --python python3
+  part trainer 200 python3 roles/probe/files/gpu-smoke --trainer --python python3
 } 2>&1 | tee "$out/device-check.txt"
