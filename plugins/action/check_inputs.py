@@ -13,6 +13,7 @@ from pathlib import Path
 from ansible.errors import AnsibleError
 from ansible.plugins.action import ActionBase
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inputs import check_inputs, is_input_name, load_specs
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, inventory_vars
 
 ROLES_DIR = str(Path(__file__).resolve().parents[2] / "roles")
 
@@ -61,7 +62,7 @@ class ActionModule(ActionBase):
         """The host's variables with an input's name, templated, as the inventory (and --extra-vars)
         set them: hostvars hold neither role defaults nor play vars. A value that cannot be templated
         yet (it names a fact gathered later) is left to the role's own check."""
-        raw = task_vars["hostvars"].raw_get(host)
+        raw = inventory_vars(task_vars["hostvars"], host)
         names = [name for name in raw if is_input_name(name) and name not in self._set_by_the_run(host)]
         variables, untemplated = {}, []
         for name in names:
@@ -74,7 +75,7 @@ class ActionModule(ActionBase):
     def _node_problems(self, host: str, variables: dict, task_vars: dict) -> list[str]:
         """Checks of this node's probe answers and the control node that need no change."""
         problems = []
-        net = (task_vars.get("ansible_facts") or {}).get("budgetgpu_net") or {}
+        net = fact(task_vars["hostvars"], host, "budgetgpu_net") or {}
         if net.get("cluster_subnet") and net.get("cluster_interface") is None:
             problems.append(
                 f"{host}: budgetgpu_cluster_subnet: expected an interface of the node with an address in "

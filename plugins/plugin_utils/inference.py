@@ -18,9 +18,8 @@ each key):
     gateway: {host: node1, port: 8080}
 
 Where a node's GPUs come from: ``budgetgpu_gpus.gpus[]`` of gpu_facts (``index``, ``uuid``,
-``name``, ``memory_total_mib``, ``compute_capability``). A GPU is taken by a training job when a
-job of ``budgetgpu_jobs`` (jobs.py) that is started and enabled runs on the node: its
-``nproc_per_node`` processes use GPUs 0..n-1 (``gpu``: every GPU of the node, jobs.job_nproc).
+``name``, ``memory_total_mib``, ``compute_capability``), through the node model (nodes.py). A GPU
+is taken by a training job of ``budgetgpu_jobs`` as the job model decides it (jobs.training_gpus).
 """
 
 from __future__ import annotations
@@ -36,8 +35,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, job_nproc
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import USER_NAME, training_gpus
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import (
+    fact,
+    host_var,
+    in_group,
+    node_address,
+    node_gpus,
+    simulated,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.wheelhouse import wheelhouse_folder, wheels_for
 
 SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -604,28 +610,12 @@ def inference_services_normalize(
 # --- where a service runs ---------------------------------------------------------------------------
 
 
-def _host_vars(hostvars: Mapping[str, Any], host: str) -> Mapping[str, Any]:
-    value = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-    return value if isinstance(value, Mapping) else {}
-
-
-def _fact(hv: Mapping[str, Any], name: str) -> Any:
-    facts = hv.get("ansible_facts")
-    if isinstance(facts, Mapping) and facts.get(name) is not None:
-        return facts[name]
-    return hv.get(name)
-
-
-def _in_group(hv: Mapping[str, Any], group: str) -> bool:
-    return group == "all" or group in (hv.get("group_names") or [])
-
-
 def service_hosts(service: Mapping[str, Any], hostvars: Mapping[str, Any], hosts: list[str]) -> list[str]:
     """Return the service's nodes: the hosts it lists, or those of hosts in its group (inventory order)."""
     nodes = service.get("nodes")
     if isinstance(nodes, list):
         return list(dict.fromkeys(str(h) for h in nodes))
-    return [h for h in hosts if _in_group(_host_vars(hostvars, h), str(nodes))]
+    return [h for h in hosts if in_group(hostvars, h, str(nodes))]
 
 
 def serves_on(service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str) -> bool:
@@ -633,7 +623,7 @@ def serves_on(service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str
     nodes = service.get("nodes")
     if isinstance(nodes, list):
         return host in nodes
-    return _in_group(_host_vars(hostvars, host), str(nodes))
+    return in_group(hostvars, host, str(nodes))
 
 
 def inference_gateway_host(service: Mapping[str, Any], hostvars: Mapping[str, Any], hosts: list[str]) -> str | None:
@@ -643,43 +633,6 @@ def inference_gateway_host(service: Mapping[str, Any], hostvars: Mapping[str, An
         return str(gateway["host"])
     nodes = service_hosts(service, hostvars, hosts)
     return nodes[0] if nodes else None
-
-
-def node_gpus(hostvars: Mapping[str, Any], host: str) -> list[dict[str, Any]] | None:
-    """Return the node's GPUs from gpu_facts (None without facts), in nvidia-smi (NVML) order."""
-    gpus = _fact(_host_vars(hostvars, host), "budgetgpu_gpus")
-    if not isinstance(gpus, Mapping):
-        return None
-    return sorted((dict(g) for g in gpus.get("gpus") or [] if isinstance(g, Mapping)), key=lambda g: g.get("index", 0))
-
-
-def node_address(hostvars: Mapping[str, Any], host: str) -> str:
-    """Return the node's cluster address (net_facts), else its ansible_host, else its name."""
-    hv = _host_vars(hostvars, host)
-    net = _fact(hv, "budgetgpu_net")
-    cluster_if = net.get("cluster_interface") if isinstance(net, Mapping) else None
-    if isinstance(cluster_if, Mapping) and cluster_if.get("address"):
-        return str(cluster_if["address"])
-    return str(hv.get("ansible_host") or host)
-
-
-def _job_runs_on(job: Mapping[str, Any], hostvars: Mapping[str, Any], host: str) -> bool:
-    return _in_group(_host_vars(hostvars, host), str(job.get("nodes")))
-
-
-def training_gpus(jobs: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], host: str) -> dict[int, str]:
-    """Return {GPU index: job name} of the GPUs started, enabled training jobs use on host: a job's
-    nproc_per_node processes take GPUs 0..n-1 ("gpu": all of them)."""
-    claimed: dict[int, str] = {}
-    node = node_info(_host_vars(hostvars, host), host)
-    for job in jobs or []:
-        if job.get("state", "started") != "started" or job.get("enabled", True) is False:
-            continue
-        if not _job_runs_on(job, hostvars, host):
-            continue
-        for index in range(job_nproc(job, node) or 0):
-            claimed.setdefault(index, str(job.get("name")))
-    return claimed
 
 
 def _wanted_gpus(service: Mapping[str, Any], host: str) -> Any:
@@ -1162,7 +1115,7 @@ def _gpu_problems(
         return problems + _vllm_gpu_problems(hostvars, host, gpu, label)
     if quant not in QUANT_BYTES:
         return problems
-    if _simulated(hostvars, host):
+    if simulated(hostvars, host):
         problems.append(
             f"{label}: quantization: found {quant} on a simulated node (no CUDA), expected none: bitsandbytes "
             f"8bit/4bit runs only on a real CUDA GPU of compute capability 7.5 or more (the real-GPU path)"
@@ -1175,10 +1128,6 @@ def _gpu_problems(
             f"expected compute capability 7.5 or more (bitsandbytes), or quantization none"
         )
     return problems
-
-
-def _simulated(hostvars: Mapping[str, Any], host: str) -> bool:
-    return str(_host_vars(hostvars, host).get("budgetgpu_simulated")).lower() in ("true", "yes", "1", "on")
 
 
 def _usable_memory(service: Mapping[str, Any], memory_mib: Any) -> tuple[float, str]:
@@ -1195,7 +1144,7 @@ def _usable_memory(service: Mapping[str, Any], memory_mib: Any) -> tuple[float, 
 
 def _vllm_gpu_problems(hostvars: Mapping[str, Any], host: str, gpu: Mapping[str, Any], label: str) -> list[str]:
     """vLLM runs on a real CUDA GPU of compute capability 7.0 or more only."""
-    if _simulated(hostvars, host):
+    if simulated(hostvars, host):
         return [
             f"{label}: engine: found vllm on a simulated node (no CUDA), expected builtin: vLLM runs only on a real "
             "CUDA GPU (the built-in worker is the one that runs on simulated and CPU nodes)"
@@ -1317,7 +1266,7 @@ def _port_owners(
     for job in jobs or []:
         if job.get("state") == "absent" or not _is_int(job.get("port")):
             continue
-        for host in (h for h in hosts if _job_runs_on(job, hostvars, h)):
+        for host in (h for h in hosts if in_group(hostvars, h, str(job.get("nodes")))):
             owners.setdefault(host, []).append((job["port"], job["port"], f"training job {job.get('name')}"))
     return owners
 
@@ -1405,7 +1354,7 @@ def inference_vllm_wheelhouses(
     folders = {}
     for _venv, service in _vllm_services(services):
         for host in service_hosts(service, hostvars, hosts):
-            value = _host_vars(hostvars, host).get("python_env_wheelhouse")
+            value = host_var(hostvars, host, "python_env_wheelhouse")
             if isinstance(value, str) and value:
                 folders[host] = wheelhouse_folder(value, playbook_dir)
     return folders
@@ -1447,7 +1396,7 @@ def vllm_wheelhouse_problems(
 
 def _node_python(hostvars: Mapping[str, Any], host: str) -> str:
     """The node's Python as X.Y (preflight gathers it; the vLLM venv is made from it), or "" unknown."""
-    version = _fact(_host_vars(hostvars, host), "python")
+    version = fact(hostvars, host, "python")
     version = version.get("version") if isinstance(version, Mapping) else None
     if isinstance(version, Mapping) and _is_int(version.get("major")) and _is_int(version.get("minor")):
         return f"{version['major']}.{version['minor']}"

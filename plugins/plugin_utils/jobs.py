@@ -39,6 +39,7 @@ from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.job_metrics import unit_running
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.gpu_devices import unit_device_allow
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import in_group, node_info
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -72,7 +73,7 @@ JOB_DEFAULTS: dict[str, Any] = {
     "nodes": "gpu_nodes",
     "nproc_per_node": "gpu",
     "master": None,  # first host of nodes
-    "master_addr": None,  # master's cluster address, else its ansible_host, else its name
+    "master_addr": None,  # the master's address (nodes.node_address)
     "port": 29500,
     "rendezvous": "c10d",
     "rendezvous_timeout": 900,
@@ -241,15 +242,41 @@ def job_node_ranks(job: Mapping[str, Any], groups: Mapping[str, list[str]], node
     return {host: rank for rank, host in enumerate(ordered)}
 
 
+def job_nproc_fixed(job: Mapping[str, Any]) -> bool:
+    """Whether the job names its number of processes a node (else "gpu": one per GPU of the node)."""
+    return job.get("nproc_per_node") not in ("gpu", "auto", None)
+
+
 def job_nproc(job: Mapping[str, Any], node: Mapping[str, Any]) -> int | None:
     """Return the number of processes a job runs on a node ("gpu": the node's GPU count)."""
-    value = job.get("nproc_per_node")
-    if value in ("gpu", "auto", None):
+    if not job_nproc_fixed(job):
         return node.get("gpu_count")
     try:
-        return int(value)
+        return int(job["nproc_per_node"])
     except (TypeError, ValueError):
         return None
+
+
+def job_gpus(job: Mapping[str, Any], node: Mapping[str, Any]) -> list[int]:
+    """Return the indices of the GPUs the job's ranks hold on a node (node_info): 0..nproc_per_node-1,
+    every GPU for "gpu". The launcher starts them on the same GPUs less the quarantined ones
+    (budgetgpu_node.gpu_health.start_plan; a unit test holds the two equal)."""
+    return list(range(job_nproc(job, node) or 0))
+
+
+def training_gpus(jobs: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], host: str) -> dict[int, str]:
+    """Return {GPU index: job name} of the GPUs that started, enabled training jobs hold on host (job_gpus):
+    what inference places its workers around and Slurm leaves out."""
+    claimed: dict[int, str] = {}
+    node = node_info(hostvars, host)
+    for job in jobs or []:
+        if job.get("state", "started") != "started" or job.get("enabled", True) is False:
+            continue
+        if not in_group(hostvars, host, str(job.get("nodes"))):
+            continue
+        for index in job_gpus(job, node):
+            claimed.setdefault(index, str(job.get("name")))
+    return claimed
 
 
 def job_master_addr(job: Mapping[str, Any], groups: Mapping[str, list[str]], nodes: Mapping[str, Any]) -> str | None:
@@ -257,8 +284,8 @@ def job_master_addr(job: Mapping[str, Any], groups: Mapping[str, list[str]], nod
     if job.get("master_addr"):
         return str(job["master_addr"])
     master = job_master(job, groups)
-    node = nodes.get(master) or {}
-    return node.get("cluster_address") or node.get("address") or master
+    # nodes: cluster_nodes' node_info (its address decided there); a master outside them: its name.
+    return (nodes.get(master) or {}).get("address") or master
 
 
 def job_backend(job: Mapping[str, Any], node: Mapping[str, Any]) -> str:
@@ -349,7 +376,7 @@ def torchrun_environment(job: Mapping[str, Any], host: str, nodes: Mapping[str, 
     if node.get("gpu_uuids"):
         # The launcher leaves quarantined GPUs out at each start (role gpu_health; gpu_health.start_plan).
         env["BUDGETGPU_GPUS"] = ",".join(node["gpu_uuids"])
-        env["BUDGETGPU_NPROC_FIXED"] = "0" if job.get("nproc_per_node") in ("gpu", "auto", None) else "1"
+        env["BUDGETGPU_NPROC_FIXED"] = "1" if job_nproc_fixed(job) else "0"
     if job.get("rendezvous") != "static":
         # The workers get a store of their own for each rendezvous round. torch's default shares
         # the agent's store across in-place restarts, and a restarted worker then read its peers'
@@ -429,9 +456,9 @@ def torchrun_plan(
             item["argv"] = torchrun_argv(job, host, groups, nodes, launcher)
             item["exec_start"] = systemd_exec(item["argv"])
             item["env"] = torchrun_environment(job, host, nodes)
-            # The GPUs the job's ranks run on (gpu_health.start_plan: 0..nproc-1), the only ones its unit opens.
+            # The GPUs the job's ranks run on, the only ones its unit opens.
             node = nodes.get(host) or {}
-            item["gpu_indices"] = list(range(job_nproc(job, node) or 0))
+            item["gpu_indices"] = job_gpus(job, node)
             item["device_allow"] = unit_device_allow(node.get("gpus"), item["gpu_indices"])
         plan.append(item)
     return plan

@@ -12,11 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
-    inference_workers,
-    node_address,
-    service_hosts,
-)
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_workers, service_hosts
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address
 
 # The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
 # budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
@@ -26,8 +23,9 @@ TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 
 
 def scrape_targets(hosts: list[str], hostvars: Mapping[str, Any], port: int) -> list[dict[str, Any]]:
-    """Return Prometheus static_configs, one per host: its cluster address (else ansible_host, else its
-    name) and port, labelled instance=<inventory name> (alerts name the node as the inventory does)."""
+    """Return Prometheus static_configs, one per host: its address (nodes.node_address: its cluster address,
+    else ansible_host, else its name) and port, labelled instance=<inventory name> (alerts name the node as
+    the inventory does)."""
     configs = []
     for host in hosts:
         address = node_address(hostvars, host)
@@ -49,8 +47,7 @@ def alertmanager_url(host: str, hostvars: Mapping[str, Any]) -> str:
     reaches it, from that host's alertmanager_listen_address (else the role's default), as prometheus_url
     decides: what another program posts alerts to (POST <url>/api/v2/alerts) and amtool's
     --alertmanager.url."""
-    hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-    listen = hv.get("alertmanager_listen_address") if isinstance(hv, Mapping) else None
+    listen = host_var(hostvars, host, "alertmanager_listen_address")
     return prometheus_url(host, hostvars, str(listen or ALERTMANAGER_LISTEN_ADDRESS))
 
 
@@ -66,12 +63,7 @@ def prometheus_url(host: str, hostvars: Mapping[str, Any], listen_address: str) 
     address: the host's ansible_host (how the control node already reaches it), else its cluster address
     (net_facts), else its inventory name."""
     listen, _sep, port = str(listen_address).rpartition(":")
-    if listen not in _ANY_ADDRESS:
-        address = listen.strip("[]")
-    else:
-        hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-        ansible_host = hv.get("ansible_host") if isinstance(hv, Mapping) else None
-        address = str(ansible_host or node_address(hostvars, host))
+    address = listen.strip("[]") if listen not in _ANY_ADDRESS else node_address(hostvars, host, control=True)
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
@@ -88,8 +80,7 @@ def inference_scrape_targets(
         if service.get("state") == "absent":
             continue
         for host in service_hosts(service, hostvars, hosts):
-            facts = (hostvars.get(host) or {}).get("ansible_facts") or {}
-            jobs = facts.get("budgetgpu_jobs", (hostvars.get(host) or {}).get("budgetgpu_jobs")) or []
+            jobs = fact(hostvars, host, "budgetgpu_jobs") or []
             for worker in inference_workers(service, hostvars, host, jobs):
                 labels = {
                     "node": host,

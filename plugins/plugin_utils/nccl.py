@@ -23,6 +23,7 @@ from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
     ip_or_none,
     speed_text,
 )
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import nodes
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_hosts, job_master, job_master_addr
 
 _CONSUMER = re.compile(r"\b(GeForce|TITAN)\b", re.IGNORECASE)
@@ -384,28 +385,13 @@ def nccl_report_table(report: dict[str, Any]) -> list[str]:
 
 
 def nccl_missing_facts(members: list[str], hostvars: Any, fact: str = "budgetgpu_net") -> list[str]:
-    """Return the members whose ansible_facts lack fact (not probed in this run nor in the fact cache)."""
-    missing = []
-    for host in members or []:
-        try:
-            facts = hostvars[host].get("ansible_facts") or {}
-        except KeyError:
-            facts = {}
-        if not facts.get(fact):
-            missing.append(host)
-    return missing
+    """Return the members that lack fact (not probed in this run nor in the fact cache)."""
+    return [host for host in members or [] if not nodes.fact(hostvars, host, fact)]
 
 
 # The firewall file names each member and the addresses it may connect from, one comment line each:
 # the record that a later run reads back for a member whose facts it does not have.
 _MEMBER_LINE = re.compile(r"^#\s*member\s+(\S+):\s*(.*?)\s*$")
-
-
-def _facts_of(hostvars: Any, host: str) -> dict[str, Any]:
-    try:
-        return hostvars[host].get("ansible_facts") or {}
-    except KeyError:
-        return {}
 
 
 def nccl_absent_members(
@@ -462,7 +448,7 @@ def nccl_member_records(
     """
     records = {}
     for host in members or []:
-        net = _facts_of(hostvars, host).get("budgetgpu_net")
+        net = nodes.fact(hostvars, host, "budgetgpu_net")
         if net:
             # Its cluster address (the one address decision), also where a rule put it on a docker or loopback device.
             chosen = (net.get("cluster_interface") or {}).get("address")
@@ -517,10 +503,7 @@ def _decisions(members: list[str], hostvars: Any) -> tuple[dict[str, dict[str, A
     """Return ({host: nccl_network_decision} of members that have one with an address, [errors])."""
     decisions, errors = {}, []
     for host in members:
-        try:
-            decision = hostvars[host].get("nccl_network_decision")
-        except KeyError:
-            decision = None
+        decision = nodes.host_var(hostvars, host, "nccl_network_decision")
         if decision and decision.get("address"):
             decisions[host] = decision
         else:
@@ -541,13 +524,12 @@ def _rendezvous_targets(
         master = job_master(job, groups)
         if master not in decisions:
             continue
-        nodes = {master: {"cluster_address": decisions[master]["address"]}}
         hosts = [h for h in job_hosts(job, groups) if h in decisions]
         targets.append(
             {
                 "name": f"{master} rendezvous of job {job.get('name')}",
                 "master": master,
-                "address": job_master_addr(job, groups, nodes),
+                "address": job_master_addr(job, groups, {master: {"address": decisions[master]["address"]}}),
                 "port": int(job["port"]),
                 "hosts": hosts,
             }

@@ -14,11 +14,9 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
-    inference_workers,
-    node_address,
-    training_gpus,
-)
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_workers
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_facts
 
 # Below what slurmd detects: a node whose RealMemory is above what slurmd finds is drained ("Low
 # RealMemory"), and the kernel's MemTotal moves by a few MiB between boots and kernels.
@@ -42,12 +40,6 @@ def gres_type(device_id: Any) -> str:
     if name is None:
         return f"nvidia_{number:04x}"
     return re.sub(r"[^a-z0-9]", "", name.lower().replace("geforce", ""))
-
-
-def _facts(hostvars: Mapping[str, Any], host: str) -> Mapping[str, Any]:
-    hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-    facts = hv.get("ansible_facts") if isinstance(hv, Mapping) else None
-    return facts if isinstance(facts, Mapping) else {}
 
 
 def _int(value: Any) -> int | None:
@@ -163,15 +155,15 @@ def slurm_node(
     cores}], left_out [{index, bus_id, why}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
     gpu_facts joined by bus id with pcie_facts (device id, NUMA node). ValueError naming host and what
     is missing."""
-    facts = _facts(hostvars, host)
+    setup = node_facts(hostvars, host)
     try:
-        layout = cpu_layout(facts)
-        memory = real_memory(facts.get("memtotal_mb"), margin_pct)
+        layout = cpu_layout(setup)
+        memory = real_memory(setup.get("memtotal_mb"), margin_pct)
     except ValueError as exc:
         raise ValueError(f"{host}: {exc}") from None
-    if not isinstance(facts.get("budgetgpu_gpus"), Mapping) or not isinstance(facts.get("budgetgpu_pcie"), Mapping):
+    if not isinstance(setup.get("budgetgpu_gpus"), Mapping) or not isinstance(setup.get("budgetgpu_pcie"), Mapping):
         raise ValueError(f"{host}: found no budgetgpu_gpus/budgetgpu_pcie facts, expected the probe's (run role probe)")
-    gpus, left_out, problems = _node_gpus(facts, layout, held_gpus(hostvars, host, services, jobs))
+    gpus, left_out, problems = _node_gpus(setup, layout, held_gpus(hostvars, host, services, jobs))
     if problems:
         raise ValueError(f"{host}: " + "; ".join(problems))
     counts: dict[str, int] = {}
@@ -179,7 +171,7 @@ def slurm_node(
         counts[gpu["type"]] = counts.get(gpu["type"], 0) + 1
     return {
         "host": host,
-        "name": str(facts.get("hostname") or host),
+        "name": str(setup.get("hostname") or host),
         "address": node_address(hostvars, host),
         "layout": layout,
         "real_memory": memory,
@@ -209,14 +201,14 @@ def slurm_nodes(
         if host in (absent or []) and host in last_known:
             nodes.append({**last_known[host], "stale": True})
             continue
-        jobs = _facts(hostvars, host).get("budgetgpu_jobs")
+        jobs = fact(hostvars, host, "budgetgpu_jobs")
         try:
             node = slurm_node(hostvars, host, services, jobs if isinstance(jobs, list) else [], margin_pct)
         except ValueError as exc:
             why = " (not in this run: down or unreachable, and no earlier run recorded it)"
             problems.append(str(exc) + (why if host in (absent or []) else ""))
             continue
-        cgroup = (hostvars.get(host) or {}).get("_slurm_cgroup")
+        cgroup = host_var(hostvars, host, "_slurm_cgroup")
         node["proctrack_cgroup"] = cgroup.get("proctrack_cgroup") if isinstance(cgroup, Mapping) else None
         nodes.append(node)
     if problems:

@@ -131,7 +131,7 @@ def batch_jobs(
     if not isinstance(jobs, list):
         raise ValueError(f"{host}: slurm_jobs: found {type(jobs).__name__} {jobs!r}, expected a list of jobs")
     normalised = [batch_job_normalize(job) for job in jobs]
-    infos = {node["host"]: node_info(hostvars.get(node["host"]) or {}, node["host"]) for node in nodes}
+    infos = {node["host"]: node_info(hostvars, node["host"]) for node in nodes}
     problems = [message for job in normalised for message in batch_job_problems(job, nodes, infos, host)]
     names = [job.get("name") for job in normalised]
     problems += [

@@ -41,17 +41,17 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import pa
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
     CUDA_CONTEXT_BYTES,
     QUANT_MIN_CAPABILITY,
-    node_gpus,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     BF16_MIN_CAPABILITY,
     PARALLELISMS,
     _slurped_json,
     job_backend,
+    job_gpus,
     job_hosts,
     job_nproc,
 )
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_gpus, node_info
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _bad_sharding, _line, _problem
 
 GIB = 2**30
@@ -280,14 +280,17 @@ def _layout(
     job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapping[str, list[str]]
 ) -> tuple[dict[str, int] | None, list[tuple[str, dict[str, Any]]], str]:
     """Return ({nodes, nproc, world, gloo: 1 where a node trains on gloo} or None, [(host, GPU facts)] of the
-    GPUs the ranks use (0..nproc-1, as inference.training_gpus counts them), why there is no plan)."""
+    GPUs the ranks use (jobs.job_gpus), why there is no plan)."""
     hosts, gpus, nprocs, gloo = job_hosts(job, groups), [], [], 0
     for host in hosts:
-        hv = hostvars.get(host) if isinstance(hostvars, Mapping) else None
-        node = node_info(hv if isinstance(hv, Mapping) else {}, host)
+        node = node_info(hostvars, host)
         nproc, gloo = job_nproc(job, node), gloo or int(job_backend(job, node) != "nccl")
-        facts = node_gpus(hostvars, host) or []
-        used = [g for g in facts[: nproc or 0] if isinstance(g.get("memory_total_mib"), int)]
+        held = job_gpus(job, node)
+        used = [
+            g
+            for g in node_gpus(hostvars, host) or []
+            if g.get("index") in held and isinstance(g.get("memory_total_mib"), int)
+        ]
         if not used:
             return None, [], f"no GPU memory in gpu_facts of {host} (run the probe; is the driver loaded?)"
         if len(used) < nproc:  # the cluster check names nproc_per_node

@@ -127,3 +127,80 @@ def test_a_task_delegated_to_the_control_node_does_not_become_root_there() -> No
         if task.get("delegate_to") in ("localhost", "127.0.0.1") and task.get("become") is not False
     ]
     assert not missing, missing
+
+
+# The node model (plugins/plugin_utils/nodes.py) is the one reader of a host out of hostvars. Modules
+# return facts and the callback reads task results as they come: neither reads hostvars.
+NODE_MODEL = "plugins/plugin_utils/nodes.py"
+HOST_READERS_EXEMPT = ("plugins/modules/", "plugins/callback/")
+HOST_KEYS = ("ansible_facts", "ansible_host", "ansible_local", "group_names")
+
+
+def _is_hostvars(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "hostvars"
+
+
+def _host_reads(tree: ast.AST) -> list[int]:
+    """Lines that read a host out of hostvars (hostvars[...], hostvars.get(...), .raw_get(...)) or read a
+    host's facts, address or groups by their keys ("ansible_facts", ...: docstrings and comments aside)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        subscript = isinstance(node, ast.Subscript) and _is_hostvars(node.value)
+        method = isinstance(node, ast.Attribute) and (
+            node.attr == "raw_get" or node.attr == "get" and _is_hostvars(node.value)
+        )
+        if subscript or method:
+            lines.append(node.lineno)
+        lines += [c.lineno for c in ast.iter_child_nodes(node) if isinstance(c, ast.Constant) and c.value in HOST_KEYS]
+    return lines
+
+
+def _host_readers(sources: dict[str, str]) -> list[str]:
+    return [
+        f"{path}:{line}"
+        for path, text in sources.items()
+        if path != NODE_MODEL and not path.startswith(HOST_READERS_EXEMPT)
+        for line in sorted(set(_host_reads(ast.parse(text, path))))
+    ]
+
+
+def test_only_the_node_model_reads_a_host_out_of_hostvars() -> None:
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "plugins").rglob("*.py"))}
+    found = _host_readers(sources)
+    assert not found, "read the host through plugins/plugin_utils/nodes.py instead:\n" + "\n".join(found)
+
+
+def test_the_host_reads_check_finds_the_old_readers() -> None:
+    old = {
+        "plugins/plugin_utils/x.py": 'def f(hostvars, host):\n    """ansible_facts"""\n    return hostvars[host]\n',
+        "plugins/plugin_utils/y.py": "def f(hostvars, h):\n    return (hostvars.get(h) or {}).get('ansible_host')\n",
+        "plugins/action/z.py": "def f(task_vars, h):\n    return task_vars['hostvars'].raw_get(h)\n",
+        NODE_MODEL: "def f(hostvars, h):\n    return hostvars[h]['ansible_facts']\n",
+        "plugins/modules/m.py": "def f(m):\n    m.exit_json(ansible_facts={'ansible_local': 1})\n",
+    }
+    assert _host_readers(old) == [
+        "plugins/plugin_utils/x.py:3",
+        "plugins/plugin_utils/y.py:2",
+        "plugins/action/z.py:2",
+    ]
+
+
+# Where a role reads ansible_host without deciding an address: the control node check compares names.
+ANSIBLE_HOST_READERS = {"roles/nvidia_driver/tasks/run.yml": "whether the host is the control node, by its names"}
+
+
+def test_no_role_decides_an_address_itself() -> None:
+    """A host's address (its cluster address, else ansible_host, else its name) is nodes.node_address's:
+    the roles read it from a filter (cluster_nodes' address, the plans' addresses), not from a Jinja chain."""
+    found = [
+        str(path.relative_to(ROOT))
+        for d in ("roles", "playbooks")
+        for path in sorted((ROOT / d).rglob("*"))
+        if path.suffix in (".yml", ".yaml", ".j2")
+        and "meta" not in path.relative_to(ROOT).parts
+        and "ansible_host" in path.read_text()
+        and str(path.relative_to(ROOT)) not in ANSIBLE_HOST_READERS
+    ]
+    assert not found, found

@@ -102,3 +102,20 @@ def test_job_status_elsewhere_says_where_rank_0_is_and_survives_missing_files():
         "no status from rank 0 on this node (rank 0 writes it on the job's master)",
         "energy: no counters recorded at the job's start",
     ]
+
+
+@pytest.mark.parametrize(
+    ("gpu_count", "nproc_per_node"), [(0, "gpu"), (1, "gpu"), (4, "gpu"), (1, 1), (4, 1), (4, 2), (4, "3"), (4, 4)]
+)
+def test_the_gpus_a_job_holds_are_those_its_launcher_starts_it_on(gpu_count, nproc_per_node):
+    # The controller (inference's placement, Slurm's GRES, the unit's DeviceAllow) and the node's launcher
+    # (gpu_health.start_plan, with nothing quarantined) must agree on which GPUs a job's ranks use (a job
+    # asking for more processes than the node has GPUs is the cluster check's to refuse).
+    from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpu_health import start_plan
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_gpus, job_nproc, job_nproc_fixed
+
+    (job,) = torchrun_jobs_normalize([{**JOB, "nproc_per_node": nproc_per_node}])
+    node = {"gpu_count": gpu_count}
+    uuids = [f"GPU-{index}" for index in range(gpu_count)]
+    plan = start_plan(uuids, {}, job_nproc(job, node), job_nproc_fixed(job))
+    assert job_gpus(job, node) == [uuids.index(uuid) for uuid in plan["visible"]]

@@ -352,7 +352,7 @@ class TestOneAddressDecision:
             iface("eth1", "physical", "192.168.10.15", speed=10000),
         )
         decision = nccl.nccl_env(facts)
-        rendezvous = node_info({"ansible_facts": {"budgetgpu_net": facts}}, "node1")["cluster_address"]
+        rendezvous = node_info({"node1": {"ansible_facts": {"budgetgpu_net": facts}}}, "node1")["cluster_address"]
         assert decision["address"] == rendezvous == "192.168.10.15"
         assert decision["env"]["NCCL_SOCKET_IFNAME"] == "=eth1"
 
