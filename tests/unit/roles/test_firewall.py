@@ -42,7 +42,7 @@ def render(
         ansible_managed="Ansible managed",
         _firewall_rules=firewall_rules(entries, HOSTVARS, passwd, recorded),
         _firewall_table=table,
-        firewall_notes=notes or [],
+        _firewall_notes=notes or [],
     )
 
 
@@ -153,7 +153,7 @@ def test_every_caller_includes_the_role_with_a_table_of_its_own():
             for task in yaml.safe_load(path.read_text()) or []:
                 include = task.get("ansible.builtin.include_role") or {}
                 if include.get("name") == "budgetgpu.cluster._firewall":
-                    names[role] = task["vars"]["firewall_name"]
+                    names[role] = task["vars"]["_firewall_name"]
     assert set(names) == set(CALLERS), "a caller without role _firewall keeps a firewall of its own"
     assert len(set(names.values())) == len(CALLERS), f"two callers would replace each other's table: {names}"
     assert not list(ROLES.glob("*/templates/*.nft.j2"))[1:], "one nft template, role _firewall's"
@@ -224,7 +224,7 @@ def test_callers_name_who_may_connect_from_the_node():
             for task in yaml.safe_load(path.read_text()) or []:
                 include = task.get("ansible.builtin.include_role") or {}
                 if include.get("name") == "budgetgpu.cluster._firewall":
-                    local[role] = [rule.get("local") for rule in task["vars"]["firewall_rules"]]
+                    local[role] = [rule.get("local") for rule in task["vars"]["_firewall_ports"]]
     assert local["alertmanager"] == [["prometheus"], []]
     assert local["prometheus"] == [["prometheus"]] and local["node_exporter"] == [["prometheus"]]
     # The training table: the rendezvous and test ports to the node's job users (a template), the
@@ -258,7 +258,7 @@ def test_inference_gives_its_worker_entries_alone_local_users():
     (include,) = [
         t for t in tasks if (t.get("ansible.builtin.include_role") or {}).get("name") == "budgetgpu.cluster._firewall"
     ]
-    assert "selectattr('what', 'search', ' workers$')" in include["vars"]["firewall_rules"]
+    assert "selectattr('what', 'search', ' workers$')" in include["vars"]["_firewall_ports"]
     assert "['www-data']" in include["vars"]["__inference_local"]
     plan = [{"name": "chat", "state": "started", "gateway_address": "10.0.0.11", "workers": [{"port": 8100}]}]
     gateways = [{"name": "chat", "state": "started", "gateway_port": 8080, "allow": ["10.0.0.0/24"]}]
