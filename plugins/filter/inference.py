@@ -1,4 +1,4 @@
-"""Inference service filters, thin wrappers over the service model (plugins/plugin_utils/inference.py):
+"""Inference service filters, thin wrappers over the service model (plugins/plugin_utils/inference/):
 fill the services with their defaults, place their workers on GPUs, list the gateway's upstreams, check
 the placement (preflight), render a worker's command. Bad input fails the task with the model's
 message (ValueError -> AnsibleFilterError).
@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as _inference
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    checks,
+    engines,
+    gateway,
+    keys,
+    memory,
+    placement,
+    services,
+)
 
 
 class FilterModule:
@@ -19,21 +27,21 @@ class FilterModule:
 
     def filters(self) -> dict[str, Any]:
         return {
-            "inference_services_normalize": as_filter(_inference.inference_services_normalize),
-            "inference_workers": as_filter(_inference.inference_workers),
-            "inference_upstreams": as_filter(_inference.inference_upstreams),
-            "inference_gateway_host": as_filter(_inference.inference_gateway_host),
-            "inference_check": as_filter(_inference.inference_check),
-            "inference_worker_command": as_filter(_inference.inference_worker_command),
-            "inference_gateway_allow": as_filter(_inference.inference_gateway_allow),
-            "inference_firewall_ports": as_filter(_inference.inference_firewall_ports),
-            "inference_gateway_keys": as_filter(_inference.inference_gateway_keys),
-            "inference_body_limits": as_filter(_inference.inference_body_limits),
-            "inference_context_tokens": as_filter(_inference.inference_context_tokens),
-            "inference_max_conns": as_filter(_inference.inference_max_conns),
-            "inference_gateway_routes": as_filter(_inference.inference_gateway_routes),
-            "inference_user_problems": as_filter(_inference.inference_user_problems),
-            "inference_vllm_venvs": as_filter(_inference.inference_vllm_venvs),
-            "inference_vllm_wheelhouses": as_filter(_inference.inference_vllm_wheelhouses),
-            "inference_extra_requirements": as_filter(_inference.inference_extra_requirements),
+            "inference_services_normalize": as_filter(services.inference_services_normalize),
+            "inference_workers": as_filter(placement.inference_workers),
+            "inference_upstreams": as_filter(placement.inference_upstreams),
+            "inference_gateway_host": as_filter(placement.inference_gateway_host),
+            "inference_check": as_filter(checks.inference_check),
+            "inference_worker_command": as_filter(engines.inference_worker_command),
+            "inference_gateway_allow": as_filter(gateway.inference_gateway_allow),
+            "inference_firewall_ports": as_filter(gateway.inference_firewall_ports),
+            "inference_gateway_keys": as_filter(keys.inference_gateway_keys),
+            "inference_body_limits": as_filter(gateway.inference_body_limits),
+            "inference_context_tokens": as_filter(memory.inference_context_tokens),
+            "inference_max_conns": as_filter(gateway.inference_max_conns),
+            "inference_gateway_routes": as_filter(gateway.inference_gateway_routes),
+            "inference_user_problems": as_filter(services.inference_user_problems),
+            "inference_vllm_venvs": as_filter(checks.inference_vllm_venvs),
+            "inference_vllm_wheelhouses": as_filter(checks.inference_vllm_wheelhouses),
+            "inference_extra_requirements": as_filter(checks.inference_extra_requirements),
         }

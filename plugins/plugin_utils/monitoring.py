@@ -1,6 +1,6 @@
 """Who Prometheus scrapes: the node exporters' targets (each node's cluster address, the one net_facts
 chose) and the inference workers' targets (the inference service model's own placement and ports:
-plugin_utils/inference.py inference_workers, never a second copy of them; who may scrape them is role
+plugin_utils/inference/placement.py inference_workers, never a second copy of them; who may scrape them is role
 firewall's, plugin_utils/firewall.py); where the control node finds Prometheus' HTTP API
 (playbooks/report.yml) and Alertmanager's (what posts alerts, amtool), and where Prometheus sends its
 alerts. Controller side, pure over hostvars."""
@@ -12,7 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_workers, service_hosts
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
+    inference_workers,
+    service_hosts,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address
 
 # The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and

@@ -14,7 +14,7 @@ from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_workers
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import inference_workers
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_facts
 

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import parse_compute_capability
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
     CUDA_CONTEXT_BYTES,
     QUANT_MIN_CAPABILITY,
 )

@@ -1,4 +1,4 @@
-"""The inference service model (plugins/plugin_utils/inference.py): services filled with their
+"""The inference service model (plugins/plugin_utils/inference/): services filled with their
 defaults and refused by field, workers placed on the GPUs no training job uses, the gateway's
 upstreams, the model's memory need against each GPU, port clashes, quantisation, the worker's argv.
 Each check is shown refusing a bad inventory and passing the mended one."""
@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as m
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    checks,
+    engines,
+    gateway,
+    memory,
+    placement,
+)
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import keys as api_keys
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services as service_model
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_jobs_normalize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +95,7 @@ def hostvars(**overrides) -> dict:
 
 
 def services(*items: dict, **kwargs) -> list[dict]:
-    return m.inference_services_normalize(list(items), **kwargs)
+    return service_model.inference_services_normalize(list(items), **kwargs)
 
 
 def embed(**keys) -> dict:
@@ -102,14 +110,14 @@ KEY = "0123456789abcdef0123456789abcdef"
 
 
 def check(items: list[dict], hv: dict | None = None, jobs: list | None = None, configs: dict | None = None) -> list:
-    return m.inference_check(
+    return checks.inference_check(
         items, hv or hostvars(), HOSTS, jobs or [], configs or {}, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
     )
 
 
 def refused(*items, **kwargs) -> str:
     with pytest.raises(ValueError) as error:
-        m.inference_services_normalize(list(items), **kwargs)
+        service_model.inference_services_normalize(list(items), **kwargs)
     return str(error.value)
 
 
@@ -119,11 +127,15 @@ def refused(*items, **kwargs) -> str:
 def test_the_argument_spec_documents_the_service_defaults_of_the_model():
     spec = yaml.safe_load((REPO / "roles/inference/meta/argument_specs.yml").read_text())
     options = spec["argument_specs"]["main"]["options"]["inference_services"]["options"]
-    assert set(options) == m.SERVICE_KEYS
-    documented = {key: options[key].get("default") for key in m.SERVICE_DEFAULTS if key not in m.NESTED_KEYS}
-    for nested in m.NESTED_KEYS:
+    assert set(options) == service_model.SERVICE_KEYS
+    documented = {
+        key: options[key].get("default")
+        for key in service_model.SERVICE_DEFAULTS
+        if key not in service_model.NESTED_KEYS
+    }
+    for nested in service_model.NESTED_KEYS:
         documented[nested] = {key: sub.get("default") for key, sub in options[nested]["options"].items()}
-    assert documented == m.SERVICE_DEFAULTS
+    assert documented == service_model.SERVICE_DEFAULTS
 
 
 def test_role_defaults_and_argument_spec_name_the_same_variables():
@@ -167,7 +179,9 @@ def test_numbers_given_as_strings_are_numbers():
 
 
 def test_no_services_is_an_empty_list():
-    assert m.inference_services_normalize(None) == [] and m.inference_services_normalize([]) == []
+    assert (
+        service_model.inference_services_normalize(None) == [] and service_model.inference_services_normalize([]) == []
+    )
 
 
 # --- what a tired person writes ---------------------------------------------------------------------
@@ -182,13 +196,13 @@ def test_no_services_is_an_empty_list():
 )
 def test_services_that_are_not_a_list_are_refused_by_name(value, expected):
     with pytest.raises(ValueError, match="expected a list of services") as error:
-        m.inference_services_normalize(value)
+        service_model.inference_services_normalize(value)
     assert expected in str(error.value)
 
 
 def test_a_mapping_of_services_is_told_to_become_a_list():
     with pytest.raises(ValueError, match="put a '-' before each service"):
-        m.inference_services_normalize(embed())
+        service_model.inference_services_normalize(embed())
 
 
 @pytest.mark.parametrize(
@@ -253,7 +267,7 @@ def test_the_mended_services_pass():
 
 def test_one_worker_per_gpu_pinned_by_uuid_on_its_own_port():
     service = services(embed(gpus=[1, 3]))[0]
-    workers = m.inference_workers(service, hostvars(), "node1", [])
+    workers = placement.inference_workers(service, hostvars(), "node1", [])
     assert workers == [
         {
             "service": "embed",
@@ -286,20 +300,20 @@ def test_the_address_falls_back_to_ansible_host_then_the_name():
     service = services(embed(gpus=[0]))[0]
     hv = hostvars()
     del hv["node1"]["ansible_facts"]["budgetgpu_net"]
-    assert m.inference_workers(service, hv, "node1", [])[0]["address"] == "host-10.0.0.11"
+    assert placement.inference_workers(service, hv, "node1", [])[0]["address"] == "host-10.0.0.11"
     del hv["node1"]["ansible_host"]
-    assert m.inference_workers(service, hv, "node1", [])[0]["address"] == "node1"
+    assert placement.inference_workers(service, hv, "node1", [])[0]["address"] == "node1"
 
 
 def test_a_host_outside_the_service_has_no_workers():
     hv = hostvars(node3=node("10.0.0.13", groups=("gpu_nodes",)))
-    assert m.inference_workers(services(embed())[0], hv, "node3", []) == []
-    assert m.inference_workers(services(embed(nodes=["node2"]))[0], hv, "node1", []) == []
+    assert placement.inference_workers(services(embed())[0], hv, "node3", []) == []
+    assert placement.inference_workers(services(embed(nodes=["node2"]))[0], hv, "node1", []) == []
 
 
 def test_upstreams_list_every_worker_of_every_node():
     service = services(embed(gpus={"node1": [0, 1], "node2": [2]}))[0]
-    assert m.inference_upstreams(service, hostvars(), HOSTS, []) == [
+    assert placement.inference_upstreams(service, hostvars(), HOSTS, []) == [
         "10.0.0.11:8100",
         "10.0.0.11:8101",
         "10.0.0.12:8100",
@@ -308,7 +322,7 @@ def test_upstreams_list_every_worker_of_every_node():
 
 def test_upstreams_of_an_ipv6_cluster_are_bracketed():
     service = services(embed(gpus=[0], nodes=["node1"]))[0]
-    assert m.inference_upstreams(service, hostvars(node1=node("fd00::11")), HOSTS, []) == ["[fd00::11]:8100"]
+    assert placement.inference_upstreams(service, hostvars(node1=node("fd00::11")), HOSTS, []) == ["[fd00::11]:8100"]
 
 
 def training(nproc, **keys) -> list[dict]:
@@ -318,11 +332,11 @@ def training(nproc, **keys) -> list[dict]:
 
 def test_auto_gpus_are_those_no_started_training_job_uses():
     service = services(embed())[0]
-    workers = m.inference_workers(service, hostvars(), "node1", training(2))
+    workers = placement.inference_workers(service, hostvars(), "node1", training(2))
     assert [(w["gpu_index"], w["port"]) for w in workers] == [(2, 8100), (3, 8101)]
     # A stopped or disabled job uses no GPU; without jobs every GPU serves.
     for jobs in (training(2, state="stopped"), training(2, enabled=False), []):
-        assert [w["gpu_index"] for w in m.inference_workers(service, hostvars(), "node1", jobs)] == [0, 1, 2, 3]
+        assert [w["gpu_index"] for w in placement.inference_workers(service, hostvars(), "node1", jobs)] == [0, 1, 2, 3]
 
 
 def test_a_job_on_every_gpu_leaves_none_for_auto():
@@ -330,7 +344,7 @@ def test_a_job_on_every_gpu_leaves_none_for_auto():
     problems = check([service], jobs=training("gpu"))
     assert "node1: service embed: gpus: found auto and no GPU left (training jobs use GPU 0 (pretrain)" in problems[0]
     with pytest.raises(ValueError, match="no GPU left"):
-        m.inference_workers(service, hostvars(), "node1", training("gpu"))
+        placement.inference_workers(service, hostvars(), "node1", training("gpu"))
     assert check([service], jobs=training(3)) == []
 
 
@@ -389,7 +403,7 @@ def test_in_safe_mode_a_node_without_probe_facts_is_left_out():
     hv = hostvars()
     del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
     assert (
-        m.inference_check(
+        checks.inference_check(
             services(embed()), hv, HOSTS, [], {}, unprobed_ok=True, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
         )
         == []
@@ -405,8 +419,8 @@ def test_hosts_and_gateway_outside_the_inventory_are_refused():
 
 def test_the_gateway_is_the_first_node_unless_named():
     hv = hostvars()
-    assert m.inference_gateway_host(services(embed())[0], hv, HOSTS) == "node1"
-    assert m.inference_gateway_host(services(embed(gateway={"host": "node2"}))[0], hv, HOSTS) == "node2"
+    assert placement.inference_gateway_host(services(embed())[0], hv, HOSTS) == "node1"
+    assert placement.inference_gateway_host(services(embed(gateway={"host": "node2"}))[0], hv, HOSTS) == "node2"
 
 
 def test_an_empty_group_is_refused():
@@ -423,7 +437,7 @@ def test_an_absent_service_is_not_checked():
 
 
 def params(config: dict) -> int:
-    return m.model_parameters(m.model_shape(config))
+    return memory.model_parameters(memory.model_shape(config))
 
 
 @pytest.mark.parametrize(
@@ -450,7 +464,7 @@ def test_the_guides_70b_in_4bit_for_8_requests_fits_four_3090s_in_one_worker():
     # requests at the default context (2048 + 256 tokens), over 4 x 24 GB.
     four = services(chat(quantization="4bit", concurrency=8, gpus_per_worker=4, nodes=["node1"]))
     assert check(four, configs={"chat": LLAMA_70B}) == []
-    need = m.inference_memory_need(four[0], LLAMA_70B)
+    need = memory.inference_memory_need(four[0], LLAMA_70B)
     assert 34e9 < need["weights_bytes"] < 36e9 and 5.5e9 < need["kv_cache_bytes"] < 6.5e9
     assert need["per_gpu_bytes"] == (need["weights_bytes"] + need["kv_cache_bytes"]) // 4 + 500 * 2**20
     assert need["total_bytes"] == need["weights_bytes"] + need["kv_cache_bytes"] + 4 * 500 * 2**20
@@ -458,7 +472,7 @@ def test_the_guides_70b_in_4bit_for_8_requests_fits_four_3090s_in_one_worker():
         "9.9 GiB on each of 4 GPUs (69.0e9 params x 0.5 B (4bit) = 32.1 GiB + KV cache 5.6 GiB, "
         "over 4 GPUs: 9.4 GiB each + 500 MiB CUDA context)"
     )
-    workers = m.inference_workers(four[0], hostvars(), "node1", [])
+    workers = placement.inference_workers(four[0], hostvars(), "node1", [])
     assert [(w["slot"], w["gpu_indices"], w["port"]) for w in workers] == [(0, [0, 1, 2, 3], 8100)]
     # The same service on one card: refused, with the numbers.
     one = services(chat(quantization="4bit", concurrency=8, gpus=[0], nodes=["node1"]))
@@ -469,7 +483,7 @@ def test_the_guides_70b_in_4bit_for_8_requests_fits_four_3090s_in_one_worker():
 
 
 def test_workers_of_two_gpus_take_whole_pairs_and_a_list_must_fill_them():
-    pairs = m.inference_workers(services(embed(gpus_per_worker=2))[0], hostvars(), "node1", [])
+    pairs = placement.inference_workers(services(embed(gpus_per_worker=2))[0], hostvars(), "node1", [])
     assert [w["gpu_indices"] for w in pairs] == [[0, 1], [2, 3]]
     assert [w["gpu_uuid"] for w in pairs] == [w["gpu_uuids"][0] for w in pairs]
     assert check(services(embed(gpus=[0, 1, 2], gpus_per_worker=2, nodes=["node1"]))) == [
@@ -482,15 +496,15 @@ def test_workers_of_two_gpus_take_whole_pairs_and_a_list_must_fill_them():
 def test_a_command_engine_gets_the_workers_gpus_for_tensor_parallelism():
     command = "vllm serve {model} --port {port} --tensor-parallel-size {gpus} --x {gpu_uuids}"
     service = services(embed(engine="command", gpus_per_worker=2, command=command))[0]
-    worker = m.inference_workers(service, hostvars(), "node1", [])[1]
-    argv = m.inference_worker_command(service, worker)
+    worker = placement.inference_workers(service, hostvars(), "node1", [])[1]
+    argv = engines.inference_worker_command(service, worker)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[-1] == ",".join(worker["gpu_uuids"]) and len(worker["gpu_uuids"]) == 2
 
 
 def test_the_memory_need_adds_weights_kv_cache_and_cuda_context():
     service = services(chat(quantization="4bit"))[0]
-    need = m.inference_memory_need(service, LLAMA_70B)
+    need = memory.inference_memory_need(service, LLAMA_70B)
     assert need["bytes_per_param"] == 0.5
     assert need["weights_bytes"] == int(need["params"] * 0.5)
     # 2 (k and v) x 80 layers x 8 kv heads x 128 dims x (2048 + 256) tokens x 1 request x 2 bytes
@@ -500,10 +514,10 @@ def test_the_memory_need_adds_weights_kv_cache_and_cuda_context():
 
 
 def test_concurrency_and_context_grow_the_kv_cache_and_embeddings_have_none():
-    one = m.inference_memory_need(services(chat())[0], LLAMA_7B)["kv_cache_bytes"]
-    four = m.inference_memory_need(services(chat(concurrency=4))[0], LLAMA_7B)["kv_cache_bytes"]
+    one = memory.inference_memory_need(services(chat())[0], LLAMA_7B)["kv_cache_bytes"]
+    four = memory.inference_memory_need(services(chat(concurrency=4))[0], LLAMA_7B)["kv_cache_bytes"]
     assert four == 4 * one
-    assert m.inference_memory_need(services(embed())[0], MINILM)["kv_cache_bytes"] == 0
+    assert memory.inference_memory_need(services(embed())[0], MINILM)["kv_cache_bytes"] == 0
 
 
 @pytest.mark.parametrize(
@@ -516,12 +530,12 @@ def test_concurrency_and_context_grow_the_kv_cache_and_embeddings_have_none():
     ],
 )
 def test_bytes_per_parameter_follow_dtype_or_quantisation(keys, per_param):
-    assert m.inference_memory_need(services(chat(**keys))[0], LLAMA_7B)["bytes_per_param"] == per_param
+    assert memory.inference_memory_need(services(chat(**keys))[0], LLAMA_7B)["bytes_per_param"] == per_param
 
 
 def test_the_kv_cache_of_quantised_weights_is_at_least_two_bytes():
-    quantised = m.inference_memory_need(services(chat(quantization="4bit"))[0], LLAMA_7B)
-    plain = m.inference_memory_need(services(chat())[0], LLAMA_7B)
+    quantised = memory.inference_memory_need(services(chat(quantization="4bit"))[0], LLAMA_7B)
+    plain = memory.inference_memory_need(services(chat())[0], LLAMA_7B)
     assert quantised["kv_cache_bytes"] == plain["kv_cache_bytes"]
 
 
@@ -637,12 +651,12 @@ def test_two_gateways_on_one_port_of_one_host_are_refused():
 
 
 def worker(service: dict, host: str = "node1") -> dict:
-    return m.inference_workers(service, hostvars(), host, [])[1]
+    return placement.inference_workers(service, hostvars(), host, [])[1]
 
 
 def test_the_builtin_worker_command():
     service = services(embed(), venv="/srv/venv")[0]
-    argv = m.inference_worker_command(service, worker(service), None, "/opt/budgetgpu/bin/inference_worker.py")
+    argv = engines.inference_worker_command(service, worker(service), None, "/opt/budgetgpu/bin/inference_worker.py")
     assert argv == [
         "/srv/venv/bin/python3",
         "/opt/budgetgpu/bin/inference_worker.py",
@@ -655,9 +669,11 @@ def test_the_builtin_worker_command():
         "--worker-id",
         "node1-1",
     ]
-    assert m.inference_worker_command(service, worker(service), "/usr/bin/python3", "/w.py")[0] == "/usr/bin/python3"
+    assert (
+        engines.inference_worker_command(service, worker(service), "/usr/bin/python3", "/w.py")[0] == "/usr/bin/python3"
+    )
     with pytest.raises(ValueError, match="worker_script: found none"):
-        m.inference_worker_command(service, worker(service))
+        engines.inference_worker_command(service, worker(service))
 
 
 def test_the_vllm_example_renders_one_server_per_gpu():
@@ -665,7 +681,7 @@ def test_the_vllm_example_renders_one_server_per_gpu():
         "vllm serve {model} --port {port} --host {host} --served-model-name {name} --max-model-len {max_input_tokens}"
     )
     service = services(chat(engine="command", command=command, venv="/srv/venv"))[0]
-    assert m.inference_worker_command(service, worker(service)) == [
+    assert engines.inference_worker_command(service, worker(service)) == [
         "vllm",
         "serve",
         "/var/lib/budgetgpu/models/chat",
@@ -684,7 +700,7 @@ def test_command_values_are_quoted_not_split():
     service = services(
         chat(engine="command", command="srv --model {model} --port {port}"), model_root="/srv/my models"
     )[0]
-    assert m.inference_worker_command(service, worker(service)) == [
+    assert engines.inference_worker_command(service, worker(service)) == [
         "srv",
         "--model",
         "/srv/my models/chat",
@@ -697,16 +713,16 @@ def test_command_values_are_quoted_not_split():
 def test_a_batch_window_outside_0_to_1000_ms_is_refused_by_name(window):
     said = r"batch_window_ms: found .*, expected milliseconds from 0 \(no batching\) to 1000"
     with pytest.raises(ValueError, match=said):
-        m.inference_services_normalize([embed(batch_window_ms=window)])
+        service_model.inference_services_normalize([embed(batch_window_ms=window)])
 
 
 def test_batching_defaults_and_the_kv_bound_a_batched_generate_gets():
-    service = m.inference_services_normalize([embed(batch_window_ms="0.5")])[0]
+    service = service_model.inference_services_normalize([embed(batch_window_ms="0.5")])[0]
     assert (service["batch_window_ms"], service["batch_max"]) == (0.5, 32)
     with pytest.raises(ValueError, match=r"batch_max: found 0, expected a whole number of 1 or more"):
-        m.inference_services_normalize([embed(batch_max=0)])
+        service_model.inference_services_normalize([embed(batch_max=0)])
     # One slot's KV cache, which preflight's memory arithmetic counts `concurrency` times.
-    assert m.inference_context_tokens({"max_input_tokens": 2048, "max_new_tokens": 256}) == 2304
+    assert memory.inference_context_tokens({"max_input_tokens": 2048, "max_new_tokens": 256}) == 2304
 
 
 # --- the filters ------------------------------------------------------------------------------------
@@ -750,24 +766,24 @@ def test_the_workers_run_as_a_user_of_their_own_by_default():
 
 def test_the_allow_list_is_the_services_then_the_roles_then_the_cluster_subnet():
     own, plain = services(embed(gateway={"allow": ["10.1.0.0/16"]}), chat(port=8200, gateway={"port": 8081}))
-    assert m.inference_gateway_allow(own, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.1.0.0/16"]
-    assert m.inference_gateway_allow(plain, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.2.0.0/16"]
-    assert m.inference_gateway_allow(plain, [], "10.0.0.0/24") == ["10.0.0.0/24"]
-    assert m.inference_gateway_allow(plain, [], "") == []
+    assert gateway.inference_gateway_allow(own, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.1.0.0/16"]
+    assert gateway.inference_gateway_allow(plain, ["10.2.0.0/16"], "10.0.0.0/24") == ["10.2.0.0/16"]
+    assert gateway.inference_gateway_allow(plain, [], "10.0.0.0/24") == ["10.0.0.0/24"]
+    assert gateway.inference_gateway_allow(plain, [], "") == []
 
 
 def test_preflight_refuses_a_gateway_whose_allow_list_is_empty():
-    problems = m.inference_check(services(embed()), hostvars(), HOSTS, [], {}, api_keys={"ci": KEY})
+    problems = checks.inference_check(services(embed()), hostvars(), HOSTS, [], {}, api_keys={"ci": KEY})
     assert problems == [
         "all: service embed: gateway.allow: found an empty allow list (no gateway.allow, no inference_gateway_allow, "
         "no budgetgpu_cluster_subnet), expected the CIDRs of the clients"
     ]
-    assert m.inference_check(services(embed(state="absent")), hostvars(), HOSTS, [], {}) == []
+    assert checks.inference_check(services(embed(state="absent")), hostvars(), HOSTS, [], {}) == []
 
 
 def test_preflight_refuses_a_gateway_without_a_key_and_bad_keys_without_showing_them():
     items = services(embed(gpus=[0]), chat(gpus=[1], port=8200, gateway={"port": 8081, "keys": ["nobody"]}))
-    problems = m.inference_check(items, hostvars(), HOSTS, [], {}, cluster_subnet="10.0.0.0/24")
+    problems = checks.inference_check(items, hostvars(), HOSTS, [], {}, cluster_subnet="10.0.0.0/24")
     assert "all: service embed: gateway: found no API key, expected at least one in inference_api_keys" in problems[0]
     assert "all: service chat: gateway.keys: found nobody, expected names of inference_api_keys (none)" in problems[1]
     bad = {
@@ -776,7 +792,7 @@ def test_preflight_refuses_a_gateway_without_a_key_and_bad_keys_without_showing_
         "quoted": 'has "quotes" and spaces in it!',
         "slow": {"key": KEY, "rate_per_s": 0},
     }
-    problems = m.inference_check(
+    problems = checks.inference_check(
         services(embed()), hostvars(), HOSTS, [], {}, api_keys=bad, cluster_subnet="10.0.0.0/24"
     )
     assert problems == [
@@ -792,7 +808,7 @@ def test_preflight_refuses_a_gateway_without_a_key_and_bad_keys_without_showing_
 def test_gateway_keys_are_whole_header_patterns_with_their_rates():
     keys = {"alice": KEY, "batch": {"key": "A.b+c/d=e~f-" * 2, "rate_per_s": 2}, "other": "x" * 24}
     item = services(embed(gateway={"keys": ["batch", "alice"], "rate_per_s": 40}))[0]
-    got = m.inference_gateway_keys(item, keys)
+    got = api_keys.inference_gateway_keys(item, keys)
     assert got == [
         {"name": "batch", "pattern": "^Bearer " + re.escape("A.b+c/d=e~f-" * 2) + "$", "rate_per_s": 2},
         {"name": "alice", "pattern": f"^Bearer {KEY}$", "rate_per_s": 40},
@@ -800,17 +816,17 @@ def test_gateway_keys_are_whole_header_patterns_with_their_rates():
     assert re.fullmatch(got[0]["pattern"], "Bearer " + "A.b+c/d=e~f-" * 2)
     assert not re.fullmatch(got[0]["pattern"], "Bearer " + "a.b+c/d=e~f-" * 2)  # case counts
     with pytest.raises(ValueError, match="inference_api_keys.x: found a key of 3 characters") as error:
-        m.inference_gateway_keys(item, {"x": "abc"})
+        api_keys.inference_gateway_keys(item, {"x": "abc"})
     assert "abc" not in str(error.value).replace("inference_api_keys", "")
 
 
 def test_body_limits_follow_max_input_tokens_and_max_conns_is_concurrency_plus_queue():
     item = services(embed(max_input_tokens=512, concurrency=2, queue=16))[0]
-    limits = m.inference_body_limits(item)
+    limits = gateway.inference_body_limits(item)
     assert limits["/v1/completions"] == limits["/v1/chat/completions"] == 512 * 8 + 65536
     assert limits["/v1/embeddings"] == min(2048 * 512, 300_000) * 8 + 65536
     assert limits["other"] == 65536
-    assert m.inference_max_conns(item) == 18
+    assert gateway.inference_max_conns(item) == 18
 
 
 # --- the gateway passes only what it serves, and a key holds part of the workers (issue 40) ---------
@@ -820,25 +836,25 @@ def test_body_limits_follow_max_input_tokens_and_max_conns_is_concurrency_plus_q
 def test_the_gateway_passes_the_openai_paths_of_the_task_and_only_content_type(engine):
     generation = services(chat(engine="builtin"))[0] | {"engine": engine}
     embeddings = services(embed())[0] | {"engine": engine}
-    assert m.inference_gateway_routes(generation, 2)["paths"] == [
+    assert gateway.inference_gateway_routes(generation, 2)["paths"] == [
         "/v1/models",
         "/v1/completions",
         "/v1/chat/completions",
     ]
-    assert m.inference_gateway_routes(embeddings, 2)["paths"] == ["/v1/models", "/v1/embeddings"]
+    assert gateway.inference_gateway_routes(embeddings, 2)["paths"] == ["/v1/models", "/v1/embeddings"]
     # An allow-list: the key, X-Conversation-Id (llama-server goes on generating after the client left) and the
     # rest stay at the gateway.
-    assert m.inference_gateway_routes(generation, 2)["headers"] == ["Content-Type"]
+    assert gateway.inference_gateway_routes(generation, 2)["headers"] == ["Content-Type"]
 
 
 def test_a_key_holds_half_of_what_the_workers_admit_unless_set():
     item = services(chat(concurrency=2, queue=4))[0]  # 6 requests at a time per worker
-    assert m.inference_gateway_routes(item, 4)["conns_per_key"] == 12  # 4 workers admit 24
-    assert m.inference_gateway_routes(item, 1)["conns_per_key"] == 3
-    assert m.inference_gateway_routes(services(chat(concurrency=1, queue=0))[0], 1)["conns_per_key"] == 1
-    assert m.inference_gateway_routes(item, 0)["conns_per_key"] == 1  # no worker yet
+    assert gateway.inference_gateway_routes(item, 4)["conns_per_key"] == 12  # 4 workers admit 24
+    assert gateway.inference_gateway_routes(item, 1)["conns_per_key"] == 3
+    assert gateway.inference_gateway_routes(services(chat(concurrency=1, queue=0))[0], 1)["conns_per_key"] == 1
+    assert gateway.inference_gateway_routes(item, 0)["conns_per_key"] == 1  # no worker yet
     own = services(chat(gateway={"conns_per_key": "40"}))[0]
-    assert own["gateway"]["conns_per_key"] == 40 and m.inference_gateway_routes(own, 4)["conns_per_key"] == 40
+    assert own["gateway"]["conns_per_key"] == 40 and gateway.inference_gateway_routes(own, 4)["conns_per_key"] == 40
 
 
 @pytest.mark.parametrize("value", [0, -1, "many", 1.5, True])
@@ -880,10 +896,10 @@ def test_on_the_node_an_existing_system_account_the_role_did_not_create_is_refus
     items = services(chat(user="postgres"), embed(user="llm", gpus=[1]), chat(name="old", user="gone", state="absent"))
     accounts = {
         "postgres": {"uid": 112, "gecos": "PostgreSQL administrator"},
-        "llm": {"uid": 998, "gecos": m.USER_COMMENT},
+        "llm": {"uid": 998, "gecos": service_model.USER_COMMENT},
         "gone": {"uid": 5, "gecos": ""},
     }
-    assert m.inference_user_problems(items, accounts, 1000, "node1") == [
+    assert service_model.inference_user_problems(items, accounts, 1000, "node1") == [
         "node1: service chat: user: found postgres, an existing account of uid 112 (below UID_MIN 1000: the system's "
         "or another service's) that role inference did not create, expected a user of the workers' own: set the "
         "service's user (or inference_user) to a name that does not exist yet (default budgetgpu-infer), which the "
@@ -893,9 +909,11 @@ def test_on_the_node_an_existing_system_account_the_role_did_not_create_is_refus
     # user that releases before the comment created: accepted.
     ok = services(chat(user="fresh"), embed(user="svc", gpus=[1]), chat(name="c2", gpus=[2], port=8300))
     accounts = {"fresh": None, "svc": {"uid": 1001, "gecos": ""}, "budgetgpu-infer": {"uid": 997, "gecos": ""}}
-    assert m.inference_user_problems(ok, accounts, 1000, "node1") == []
+    assert service_model.inference_user_problems(ok, accounts, 1000, "node1") == []
     # uid 0 under another name.
-    assert "uid 0" in m.inference_user_problems(ok[:1], {"fresh": {"uid": 0, "gecos": ""}}, 1000, "node1")[0]
+    assert (
+        "uid 0" in service_model.inference_user_problems(ok[:1], {"fresh": {"uid": 0, "gecos": ""}}, 1000, "node1")[0]
+    )
 
 
 # --- engine vllm (issue 29) -------------------------------------------------------------------------
@@ -955,7 +973,7 @@ def test_a_misspelt_engine_is_pointed_at_vllm():
 
 
 def test_the_worker_gets_accelerate_to_span_gpus_and_bitsandbytes_to_load_in_8_or_4_bits():
-    extra = m.inference_extra_requirements
+    extra = checks.inference_extra_requirements
     assert extra(services(embed())) == []
     assert extra(services(chat(gpus_per_worker=2))) == ["requirements-split.txt"]
     assert extra(services(chat(quantization="4bit"))) == ["requirements-split.txt", "requirements-quant.txt"]
@@ -975,11 +993,11 @@ def test_each_vllm_venv_is_listed_once_with_its_package_and_its_services():
         embed(port=8400),
         {**vllm_chat(package="vllm==0.10.0"), "name": "gone", "port": 8500, "state": "absent"},
     )
-    assert m.inference_vllm_venvs(got) == [
+    assert checks.inference_vllm_venvs(got) == [
         {"venv": "/opt/budgetgpu/vllm-venv", "package": "vllm", "services": ["chat", "chat-c"]},
         {"venv": "/opt/vllm-b", "package": "vllm==0.11.0", "services": ["chat-b"]},
     ]
-    assert m.inference_vllm_venvs(services(embed())) == []
+    assert checks.inference_vllm_venvs(services(embed())) == []
 
 
 def test_one_vllm_venv_asked_for_two_packages_is_refused_naming_both_services():
@@ -990,7 +1008,7 @@ def test_one_vllm_venv_asked_for_two_packages_is_refused_naming_both_services():
     )
     assert expected in check(got)
     with pytest.raises(ValueError, match=re.escape(expected)):
-        m.inference_vllm_venvs(got)
+        checks.inference_vllm_venvs(got)
     mended = services(vllm_chat(), {**vllm_chat(package="vllm==0.11.0", venv="/opt/vllm-b"), "name": "chat-b"})
     assert not [problem for problem in check(mended) if "vllm.package" in problem]
 
@@ -1004,7 +1022,7 @@ def test_vllm_serves_the_service_name_on_the_workers_port_over_its_gpus():
     service = services(
         chat(engine="vllm", gpus_per_worker=2, concurrency=16, dtype="bfloat16", vllm={"quantization": "awq"})
     )[0]
-    argv = m.inference_worker_command(service, worker(service), None, "/unused/inference_worker.py")
+    argv = engines.inference_worker_command(service, worker(service), None, "/unused/inference_worker.py")
     assert argv == [
         "/opt/budgetgpu/vllm-venv/bin/vllm",
         "serve",
@@ -1034,7 +1052,7 @@ def test_vllm_serves_the_service_name_on_the_workers_port_over_its_gpus():
 
 def test_vllm_without_quantisation_leaves_it_to_the_checkpoint_and_takes_max_model_len():
     service = services(vllm_chat(max_model_len=8192, venv="/srv/vllm/"))[0]
-    argv = m.inference_worker_command(service, worker(service))
+    argv = engines.inference_worker_command(service, worker(service))
     assert "--quantization" not in argv and argv[0] == "/srv/vllm/bin/vllm"
     assert argv[argv.index("--max-model-len") + 1] == "8192" and argv[argv.index("--tensor-parallel-size") + 1] == "1"
 
@@ -1088,29 +1106,29 @@ def test_the_guides_70b_in_awq_is_summed_over_the_workers_gpus():
     # Over two 3090s each holds half the weights and the KV cache: 16.9 GiB of its 21.6.
     two = services(chat(engine="vllm", vllm={"quantization": "awq"}, nodes=["node1"], gpus_per_worker=2))
     assert check(two, configs={"chat": LLAMA_70B}) == []
-    assert m.inference_memory_need(two[0], LLAMA_70B)["text"].startswith("16.9 GiB on each of 2 GPUs")
+    assert memory.inference_memory_need(two[0], LLAMA_70B)["text"].startswith("16.9 GiB on each of 2 GPUs")
 
 
 def test_vllm_counts_the_checkpoints_own_quantisation():
     awq = {**LLAMA_70B, "quantization_config": {"quant_method": "awq", "bits": 4}}
     gptq8 = {**LLAMA_70B, "quantization_config": {"quant_method": "gptq", "bits": 8}}
     plain = services(vllm_chat())[0]
-    assert m.inference_memory_need(plain, awq)["bytes_per_param"] == 0.5
-    assert "x 0.5 B (awq)" in m.inference_memory_need(plain, awq)["text"]
-    assert m.inference_memory_need(plain, gptq8)["bytes_per_param"] == 1.0
-    assert m.inference_memory_need(plain, LLAMA_70B)["bytes_per_param"] == 2.0
+    assert memory.inference_memory_need(plain, awq)["bytes_per_param"] == 0.5
+    assert "x 0.5 B (awq)" in memory.inference_memory_need(plain, awq)["text"]
+    assert memory.inference_memory_need(plain, gptq8)["bytes_per_param"] == 1.0
+    assert memory.inference_memory_need(plain, LLAMA_70B)["bytes_per_param"] == 2.0
     # The built-in engine loads such a checkpoint through transformers, not counted here: its own keys decide.
-    assert m.inference_memory_need(services(chat())[0], awq)["bytes_per_param"] == 2.0
+    assert memory.inference_memory_need(services(chat())[0], awq)["bytes_per_param"] == 2.0
     fp8 = services(vllm_chat(quantization="fp8"))[0]
-    assert m.inference_memory_need(fp8, LLAMA_70B)["bytes_per_param"] == 1.0
+    assert memory.inference_memory_need(fp8, LLAMA_70B)["bytes_per_param"] == 1.0
 
 
 def test_vllm_max_model_len_sizes_the_kv_cache():
-    default = m.inference_memory_need(services(vllm_chat())[0], LLAMA_7B)["kv_cache_bytes"]
-    long = m.inference_memory_need(services(vllm_chat(max_model_len=9216))[0], LLAMA_7B)["kv_cache_bytes"]
+    default = memory.inference_memory_need(services(vllm_chat())[0], LLAMA_7B)["kv_cache_bytes"]
+    long = memory.inference_memory_need(services(vllm_chat(max_model_len=9216))[0], LLAMA_7B)["kv_cache_bytes"]
     assert default == 2 * 32 * 32 * 128 * 2304 * 2 and long == 4 * default
-    assert m.inference_context_tokens(services(vllm_chat(max_model_len=9216))[0]) == 9216
-    assert m.inference_context_tokens(services(chat(vllm={"max_model_len": 9216}))[0]) == 2304
+    assert memory.inference_context_tokens(services(vllm_chat(max_model_len=9216))[0]) == 9216
+    assert memory.inference_context_tokens(services(chat(vllm={"max_model_len": 9216}))[0]) == 2304
 
 
 def llama(**keys) -> dict:
@@ -1134,8 +1152,10 @@ def test_a_bad_llamacpp_service_is_refused_naming_key_found_and_expected(service
 
 def test_llamacpp_serves_the_gguf_with_one_slot_per_request_and_no_key():
     service = services(llama(concurrency=4, max_input_tokens=200, max_new_tokens=56))[0]
-    assert m.llamacpp_context(service) == 1024  # (200 + 56) x 4 slots: llama-server splits -c over -np
-    argv = m.inference_worker_command(service, worker(service), None, None, "/usr/local/lib/budgetgpu/llama-server")
+    assert service_model.llamacpp_context(service) == 1024  # (200 + 56) x 4 slots: llama-server splits -c over -np
+    argv = engines.inference_worker_command(
+        service, worker(service), None, None, "/usr/local/lib/budgetgpu/llama-server"
+    )
     assert argv[:3] == [
         "/usr/local/lib/budgetgpu/llama-server",
         "--model",
@@ -1152,7 +1172,7 @@ def test_llamacpp_serves_the_gguf_with_one_slot_per_request_and_no_key():
 
 def test_llamacpp_splits_a_worker_over_its_gpus_and_needs_the_binary():
     service = services(llama(gpus_per_worker=2))[0]
-    argv = m.inference_worker_command(service, worker(service), None, None, "/opt/llama-server")
+    argv = engines.inference_worker_command(service, worker(service), None, None, "/opt/llama-server")
     assert argv[argv.index("--tensor-split") + 1] == "1,1"
     with pytest.raises(ValueError, match="llama_server: found none, expected llama-server's path"):
-        m.inference_worker_command(service, worker(service))
+        engines.inference_worker_command(service, worker(service))

@@ -134,11 +134,11 @@ class WorkerConfig:
     queue: int = 8
     timeout_s: float = 120.0
     # Largest request body in bytes per path ("other": every other path); the role writes the
-    # figures of plugins/plugin_utils/inference.py inference_body_limits, which NGINX enforces too.
+    # figures of plugins/plugin_utils/inference/gateway.py inference_body_limits, which NGINX enforces too.
     max_body_bytes: dict[str, int] = field(default_factory=dict)
     # Batching across requests (Batcher): 0 ms turns it off; batch_max bounds the inputs or sequences
     # of one pass; kv_tokens is the KV cache preflight counted for each of the `concurrency` slots
-    # (plugins/plugin_utils/inference.py inference_context_tokens), which bounds a batched generate:
+    # (plugins/plugin_utils/inference/memory.py inference_context_tokens), which bounds a batched generate:
     # 0 (not given) batches no generation.
     batch_window_ms: float = BATCH_WINDOW_MS
     batch_max: int = BATCH_MAX

@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.firewall import firewall_record_lines, firewall_rules
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_firewall_ports
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import inference_firewall_ports
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_lines, nccl_recorded_members
 
 ROLES = Path(__file__).resolve().parents[3] / "roles"

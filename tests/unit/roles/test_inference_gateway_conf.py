@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as m
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
@@ -49,7 +49,7 @@ def render(tmp_path: Path, service: dict) -> str:
 
 
 def test_the_gateway_passes_the_tasks_paths_and_content_type_only_and_bounds_each_key(tmp_path):
-    service = m.inference_services_normalize(
+    service = services.inference_services_normalize(
         [{"name": "llama", "model": "/srv/tiny.gguf", "task": "generation", "engine": "llamacpp", "concurrency": 2,
           "queue": 4}]
     )[0]  # fmt: skip
@@ -85,7 +85,7 @@ def test_the_gateway_passes_the_tasks_paths_and_content_type_only_and_bounds_eac
 
 
 def test_a_services_own_conns_per_key_and_embeddings_paths(tmp_path):
-    service = m.inference_services_normalize(
+    service = services.inference_services_normalize(
         [{"name": "embed", "model": "/srv/minilm", "task": "embeddings", "gateway": {"conns_per_key": 50}}]
     )[0]
     text = render(tmp_path, service)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference as m
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import placement, services
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
@@ -35,7 +35,7 @@ PLAYBOOK = """\
 
 def test_a_worker_of_two_gpus_is_pinned_to_both_and_each_is_health_checked(tmp_path):
     command = "vllm serve {model} --port {port} --tensor-parallel-size {gpus}"
-    service = m.inference_services_normalize(
+    service = services.inference_services_normalize(
         [
             {
                 "name": "chat",
@@ -48,7 +48,7 @@ def test_a_worker_of_two_gpus_is_pinned_to_both_and_each_is_health_checked(tmp_p
             }
         ]  # fmt: skip
     )[0]
-    worker = m.inference_workers(service, HOSTVARS, "node1", [])[1]
+    worker = placement.inference_workers(service, HOSTVARS, "node1", [])[1]
     out = tmp_path / "worker.conf"
     result = run_playbook(
         tmp_path,

@@ -9,7 +9,7 @@ import ast
 import sys
 from pathlib import Path
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import vllm_wheelhouse_problems
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.checks import vllm_wheelhouse_problems
 from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_preflight_inference import (
     GATEWAY,
     gpu_node,

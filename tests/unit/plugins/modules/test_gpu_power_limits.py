@@ -14,7 +14,8 @@ from ansible.module_utils.testing import patch_module_args
 from ansible_collections.budgetgpu.cluster.plugins.filter import power
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import nvml_probe
 from ansible_collections.budgetgpu.cluster.plugins.modules import gpu_power_limits
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import inference, jobs
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import jobs
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services
 from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 REPO = Path(__file__).resolve().parents[4]
@@ -100,10 +101,10 @@ def test_energy_summary_filter_defaults_to_the_guides_price(fake_pynvml, tmp_pat
 
 def test_the_boot_unit_is_ordered_before_every_job_and_worker_unit():
     ordered = yaml.safe_load((REPO / "roles" / "gpu_power" / "vars" / "main.yml").read_text())
-    assert ordered["_gpu_power_ordered_prefixes"] == [jobs.UNIT_PREFIX, inference.UNIT_PREFIX]
+    assert ordered["_gpu_power_ordered_prefixes"] == [jobs.UNIT_PREFIX, services.UNIT_PREFIX]
     # systemd applies "<prefix>.service.d/" to every unit whose name starts with the prefix.
     assert jobs.unit_name("main").startswith(jobs.UNIT_PREFIX)
-    assert inference.unit_name("chat", 0).startswith(inference.UNIT_PREFIX)
+    assert services.unit_name("chat", 0).startswith(services.UNIT_PREFIX)
 
 
 def test_role_defaults_match_the_argument_spec():

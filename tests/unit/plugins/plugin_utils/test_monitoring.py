@@ -35,9 +35,9 @@ def test_a_prometheus_on_one_address_is_asked_there():
 
 
 def test_inference_targets_are_the_workers_the_service_model_places():
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import (
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import inference_upstreams
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
         inference_services_normalize,
-        inference_upstreams,
     )
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
 
@@ -79,7 +79,9 @@ def test_inference_targets_are_the_workers_the_service_model_places():
 
 
 def test_inference_targets_refuse_a_node_without_facts():
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+        inference_services_normalize,
+    )
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
 
     services = inference_services_normalize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import slurm
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import inference_services_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import inference_services_normalize
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm import (
     cgroup_settings,
     cpu_layout,

@@ -1,0 +1,150 @@
+"""The argv of one worker's unit, for each engine: builtin (the collection's worker), command (the
+service's own command line), vllm (``vllm serve``) and llamacpp (llama-server)."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import inference_context_tokens
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import _per_worker
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+    SERVICE_DEFAULTS,
+    _bad_engine,
+    _bad_llamacpp,
+    _bad_vllm,
+    llamacpp_context,
+)
+
+
+def inference_worker_command(
+    service: Mapping[str, Any],
+    worker: Mapping[str, Any],
+    python: str | None = None,
+    worker_script: str | None = None,
+    llama_server: str | None = None,
+) -> list[str]:
+    """Return the argv of a worker's ExecStart. builtin: <python> <worker_script> --config
+    <config_file> --port P --host A --worker-id <host>-<slot> (python: <venv>/bin/python3).
+    command: the service's command with its placeholders filled, each value shell-quoted, split
+    like a shell would (shlex). vllm: inference_vllm_command. llamacpp: inference_llamacpp_command
+    (llama_server: the binary's path on the node)."""
+    if service.get("engine") == "vllm":
+        return inference_vllm_command(service, worker)
+    if service.get("engine") == "llamacpp":
+        return inference_llamacpp_command(service, worker, llama_server)
+    if service.get("engine") == "command":
+        uuids = [str(uuid) for uuid in worker.get("gpu_uuids") or [worker.get("gpu_uuid")]]
+        values = {
+            "model": service.get("model_dir"),
+            "port": worker.get("port"),
+            "host": worker.get("address"),
+            "name": service.get("name"),
+            "max_input_tokens": service.get("max_input_tokens"),
+            "max_new_tokens": service.get("max_new_tokens"),
+            "dtype": service.get("dtype"),
+            "gpu_uuid": worker.get("gpu_uuid"),
+            "gpu_uuids": ",".join(uuids),
+            "gpus": len(uuids),
+            "slot": worker.get("slot"),
+        }
+        problems = _bad_engine(service)
+        if problems:
+            raise ValueError(f"service {service.get('name')}: {problems[0]}")
+        return shlex.split(str(service["command"]).format(**{k: shlex.quote(str(v)) for k, v in values.items()}))
+    if not worker_script:
+        raise ValueError(f"service {service.get('name')}: worker_script: found none, expected the worker's path")
+    python = python or f"{str(service.get('venv') or SERVICE_DEFAULTS['venv']).rstrip('/')}/bin/python3"
+    return [
+        str(python),
+        str(worker_script),
+        "--config",
+        str(service.get("config_file")),
+        "--port",
+        str(worker.get("port")),
+        "--host",
+        str(worker.get("address")),
+        "--worker-id",
+        f"{worker.get('host')}-{worker.get('slot')}",
+    ]
+
+
+def _flags(options: Mapping[str, Any]) -> list[str]:
+    """Return {flag: value} as argv, flag then value, in the mapping's order."""
+    return [part for flag, value in options.items() for part in (flag, str(value))]
+
+
+def _raise_first(service: Mapping[str, Any], problems: list[str]) -> None:
+    """Refuse to render a service that preflight would have refused, with its first problem."""
+    if problems:
+        raise ValueError(f"service {service.get('name')}: {problems[0]}")
+
+
+def inference_vllm_command(service: Mapping[str, Any], worker: Mapping[str, Any]) -> list[str]:
+    """Return engine vllm's argv: <vllm.venv>/bin/vllm serve <model_dir>, listening on the worker's
+    address and port, serving the service's name, tensor-parallel over its gpus_per_worker GPUs, with
+    the dtype, the context (inference_context_tokens), concurrency as --max-num-seqs (the gateway sends
+    a worker concurrency + queue requests), the memory share and vLLM's quantisation method. No API
+    key: the gateway checks the clients' keys and the firewall admits only it (and Prometheus)."""
+    _raise_first(service, _bad_vllm(service))
+    vllm = service["vllm"]
+    argv = [f"{str(vllm['venv']).rstrip('/')}/bin/vllm", "serve", str(service.get("model_dir"))]
+    argv += _flags(
+        {
+            "--host": worker.get("address"),
+            "--port": worker.get("port"),
+            "--served-model-name": service.get("name"),
+            "--tensor-parallel-size": _per_worker(service),
+            "--dtype": service.get("dtype"),
+            "--max-model-len": inference_context_tokens(service),
+            "--max-num-seqs": service.get("concurrency"),
+            "--gpu-memory-utilization": f"{vllm['gpu_memory_utilization']:g}",
+        }
+    )
+    if vllm["quantization"] != "none":
+        argv += ["--quantization", str(vllm["quantization"])]
+    return argv
+
+
+def llamacpp_model_path(service: Mapping[str, Any]) -> str:
+    """Return the GGUF file's path on a node: the role copies the file into the service's model_dir."""
+    return f"{str(service.get('model_dir')).rstrip('/')}/{str(service.get('model')).rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def inference_llamacpp_command(
+    service: Mapping[str, Any], worker: Mapping[str, Any], llama_server: str | None = None
+) -> list[str]:
+    """Return engine llamacpp's argv: <llama_server> -m <the GGUF in model_dir>, listening on the
+    worker's address and port, the service's name as its model (-a), concurrency slots (-np), each
+    holding max_input_tokens + max_new_tokens (-c, llamacpp_context), max_new_tokens as the default
+    completion length (-n), /metrics on, every layer on the GPU (-ngl all: a CPU build ignores it, with
+    a warning), the layers split evenly over gpus_per_worker GPUs (--tensor-split 1,1[,...]),
+    --embeddings for task embeddings, no web UI, no slot endpoints (--no-slots). No API key: the
+    gateway checks the clients' keys and takes the header off, and the firewall admits only the
+    gateway (and Prometheus)."""
+    _raise_first(service, _bad_llamacpp(service))
+    if not llama_server:
+        raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
+    argv = [str(llama_server)]
+    argv += _flags(
+        {
+            "--model": llamacpp_model_path(service),
+            "--alias": service.get("name"),
+            "--host": worker.get("address"),
+            "--port": worker.get("port"),
+            "--parallel": service.get("concurrency"),
+            "--ctx-size": llamacpp_context(service),
+            "--n-predict": service.get("max_new_tokens"),
+            "--n-gpu-layers": "all",
+        }
+    )
+    # No slot endpoints (/slots: read, save, restore or erase another client's KV cache); the gateway
+    # passes none of llama-server's own paths either (inference_gateway_routes).
+    argv += ["--metrics", "--no-webui", "--no-slots"]
+    gpus = _per_worker(service)
+    if gpus > 1:
+        argv += ["--tensor-split", ",".join(["1"] * gpus)]
+    if service.get("task") == "embeddings":
+        argv.append("--embeddings")
+    return argv

@@ -1,0 +1,154 @@
+"""The gateway of a service (NGINX on one node): who may reach it, the firewall's entries of a node's
+workers and gateways, what a request may weigh, how many connections a client may hold, its routes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.keys import _key_entries, _service_keys
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+    SERVICE_DEFAULTS,
+    TASKS,
+    _is_int,
+)
+
+# What a request may weigh, per endpoint: OpenAI's 2048 embedding inputs, at most EMBEDDING_TOKENS
+# tokens in all (OpenAI's 300,000), BYTES_PER_TOKEN bytes of JSON per token (text in ASCII JSON
+# takes 4 to 6 bytes per token), plus BODY_SLACK for the other fields and the chat structure.
+EMBEDDING_INPUTS = 2048
+
+
+EMBEDDING_TOKENS = 300_000
+
+
+BYTES_PER_TOKEN = 8
+
+
+BODY_SLACK = 64 * 1024
+
+
+ENDPOINTS = ("/v1/embeddings", "/v1/completions", "/v1/chat/completions")
+
+
+def inference_gateway_allow(
+    service: Mapping[str, Any], allow: list[str] | None = None, cluster_subnet: str | None = None
+) -> list[str]:
+    """Return who may reach the service's gateway: its gateway.allow, else ``allow``
+    (inference_gateway_allow), else the cluster's subnet; [] when none is known (preflight refuses)."""
+    own = (service.get("gateway") or {}).get("allow")
+    if own:
+        return [str(item) for item in own]
+    if allow:
+        return [str(item) for item in allow]
+    return [str(cluster_subnet)] if cluster_subnet else []
+
+
+def inference_firewall_ports(
+    plan: list[Mapping[str, Any]], gateways: list[Mapping[str, Any]], scrapers: list[str], scrapers_extra: list[str]
+) -> list[dict[str, Any]]:
+    """Return the entries of a node's inference firewall table (role firewall, filter firewall_rules):
+    each service's workers, which answer anyone (no authentication), from its gateway and the
+    Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
+    that is empty. ``plan`` and ``gateways`` are role inference's entries of this node."""
+    entries = []
+    for svc in plan:
+        ports = sorted(int(worker["port"]) for worker in svc.get("workers") or [])
+        if svc.get("state") == "absent" or not ports:
+            continue
+        entries.append(
+            {
+                # Each port, not a range: a range would open the ports between to this gateway too.
+                "port": ports,
+                "what": f"{svc['name']} workers",
+                "only": "gateway and Prometheus only",
+                "hosts": list(scrapers or []),
+                "extra": [str(svc["gateway_address"])] + list(scrapers_extra or []),
+                "inputs": "inference_scrapers / inference_scrapers_extra",
+            }
+        )
+    for svc in gateways:
+        if svc.get("state") != "absent":
+            entries.append(
+                {
+                    "port": int(svc["gateway_port"]),
+                    "what": f"{svc['name']} gateway",
+                    "only": "its allow list only",
+                    "hosts": [],
+                    "extra": list(svc.get("allow") or []),
+                    "inputs": f"service {svc['name']}: gateway.allow",
+                }
+            )
+    return entries
+
+
+def gateway_problems(
+    services: list[Mapping[str, Any]],
+    api_keys: Any = None,
+    allow: list[str] | None = None,
+    cluster_subnet: str | None = None,
+) -> list[str]:
+    """Return what stops the services' gateways from being closed to strangers: an allow list that
+    resolves to empty (the firewall would then admit everyone), no API key, bad keys."""
+    entries, problems = _key_entries(api_keys)
+    for service in (s for s in services or [] if s.get("state") != "absent"):
+        if not inference_gateway_allow(service, allow, cluster_subnet):
+            problems.append(
+                f"all: service {service.get('name')}: gateway.allow: found an empty allow list (no gateway.allow, "
+                "no inference_gateway_allow, no budgetgpu_cluster_subnet), expected the CIDRs of the clients"
+            )
+        problems += _service_keys(service, entries)[1]
+    return problems
+
+
+def inference_body_limits(service: Mapping[str, Any]) -> dict[str, int]:
+    """Return the largest request body in bytes per endpoint ("other": every other path), the same in
+    NGINX (client_max_body_size) and in the worker (413 before parsing)."""
+    tokens = int(service.get("max_input_tokens") or SERVICE_DEFAULTS["max_input_tokens"])
+    generation = tokens * BYTES_PER_TOKEN + BODY_SLACK
+    embeddings = min(EMBEDDING_INPUTS * tokens, EMBEDDING_TOKENS) * BYTES_PER_TOKEN + BODY_SLACK
+    return {
+        "/v1/embeddings": embeddings,
+        "/v1/completions": generation,
+        "/v1/chat/completions": generation,
+        "other": BODY_SLACK,
+    }
+
+
+def inference_max_conns(service: Mapping[str, Any]) -> int:
+    """Return how many requests the gateway sends one worker at a time: what the worker runs and
+    queues. Past that, the gateway sheds (503 with Retry-After) instead of queueing in NGINX."""
+    return int(service.get("concurrency") or 1) + int(service.get("queue") or 0)
+
+
+# What the gateway passes to a service's workers, whatever the engine: the OpenAI paths of its task
+# (every engine serves these; llama.cpp's and vLLM's own paths such as /slots, /props, /tokenize,
+# /v1/stream, /v1/messages, /v1/responses, /pause never pass) and /health; and of the client's
+# headers only Content-Type (the JSON body). NGINX sets Host, Content-Length and X-Request-Id itself;
+# Authorization (the gateway's key) and everything else, X-Conversation-Id (which makes llama-server
+# go on generating after the client left) included, stay at the gateway.
+GATEWAY_PATHS = {
+    "embeddings": ("/v1/models", "/v1/embeddings"),
+    "generation": ("/v1/models", "/v1/completions", "/v1/chat/completions"),
+}
+
+
+GATEWAY_CLIENT_HEADERS = ("Content-Type",)
+
+
+def inference_gateway_routes(service: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """Return what the service's gateway passes and how much one key may hold: {paths: the OpenAI
+    paths of its task, headers: the client headers passed (all others are dropped), conns_per_key:
+    the requests at a time one API key may have in the gateway: gateway.conns_per_key, else half of
+    what its ``workers`` workers admit together (concurrency + queue each), at least 1}. Past it NGINX
+    answers 429, so that one key cannot take every worker's slots and starve the other keys."""
+    task = service.get("task")
+    if task not in GATEWAY_PATHS:
+        raise ValueError(f"service {service.get('name')}: task: found {task!r}, expected one of {', '.join(TASKS)}")
+    own = (service.get("gateway") or {}).get("conns_per_key")
+    admitted = max(int(workers or 0), 0) * inference_max_conns(service)
+    return {
+        "paths": list(GATEWAY_PATHS[task]),
+        "headers": list(GATEWAY_CLIENT_HEADERS),
+        "conns_per_key": int(own) if _is_int(own) and own > 0 else max(1, admitted // 2),
+    }
