@@ -1,5 +1,5 @@
 """Inference service filters, thin wrappers over the service model (plugins/plugin_utils/inference/):
-fill the services with their defaults, place their workers on GPUs, list the gateway's upstreams, check
+fill the services with their defaults, plan a service on a node (its workers on GPUs, its gateway), check
 the placement (preflight), render a worker's command. Bad input fails the task with the model's
 message (ValueError -> AnsibleFilterError).
 
@@ -16,8 +16,8 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import
     engines,
     gateway,
     keys,
-    memory,
     placement,
+    plan,
     services,
 )
 
@@ -28,18 +28,13 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "inference_services_normalize": as_filter(services.inference_services_normalize),
-            "inference_workers": as_filter(placement.inference_workers),
-            "inference_upstreams": as_filter(placement.inference_upstreams),
+            "inference_plan": as_filter(plan.inference_plan),
             "inference_gateway_host": as_filter(placement.inference_gateway_host),
             "inference_check": as_filter(checks.inference_check),
             "inference_worker_command": as_filter(engines.inference_worker_command),
             "inference_gateway_allow": as_filter(gateway.inference_gateway_allow),
             "inference_firewall_ports": as_filter(gateway.inference_firewall_ports),
             "inference_gateway_keys": as_filter(keys.inference_gateway_keys),
-            "inference_body_limits": as_filter(gateway.inference_body_limits),
-            "inference_context_tokens": as_filter(memory.inference_context_tokens),
-            "inference_max_conns": as_filter(gateway.inference_max_conns),
-            "inference_gateway_routes": as_filter(gateway.inference_gateway_routes),
             "inference_user_problems": as_filter(services.inference_user_problems),
             "inference_vllm_venvs": as_filter(checks.inference_vllm_venvs),
             "inference_vllm_wheelhouses": as_filter(checks.inference_vllm_wheelhouses),

@@ -735,21 +735,16 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
     filters = FilterModule().filters()
     assert set(filters) == {
         "inference_services_normalize",
-        "inference_workers",
-        "inference_upstreams",
+        "inference_plan",
         "inference_gateway_host",
         "inference_check",
         "inference_worker_command",
         "inference_gateway_allow",
         "inference_firewall_ports",
         "inference_gateway_keys",
-        "inference_body_limits",
-        "inference_context_tokens",
-        "inference_max_conns",
         "inference_vllm_venvs",
         "inference_vllm_wheelhouses",
         "inference_extra_requirements",
-        "inference_gateway_routes",
         "inference_user_problems",
     }
     assert filters["inference_services_normalize"]([embed()])[0]["port"] == 8100
@@ -1176,3 +1171,35 @@ def test_llamacpp_splits_a_worker_over_its_gpus_and_needs_the_binary():
     assert argv[argv.index("--tensor-split") + 1] == "1,1"
     with pytest.raises(ValueError, match="llama_server: found none, expected llama-server's path"):
         engines.inference_worker_command(service, worker(service))
+
+
+# --- role inference's plan of a service on a node (filter inference_plan) ----------------------------
+
+
+def test_the_plan_gives_the_gateway_its_upstreams_address_rates_and_limits_and_a_node_its_workers():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+
+    keys = {"alice": KEY, "batch": {"key": "A.b+c/d=e~f-" * 2, "rate_per_s": 2}}
+    item = services(embed(gpus=[0, 1], gateway={"host": "node1", "rate_per_s": 40}, concurrency=2, queue=4))[0]
+    hv = hostvars()
+    gateway_plan = inference_plan(item, hv, "node1", HOSTS, [], keys, [], "10.0.0.0/24")
+    assert gateway_plan["workers"] == placement.inference_workers(item, hv, "node1", [])
+    assert gateway_plan["is_gateway"] is True
+    upstreams = ["10.0.0.11:8100", "10.0.0.11:8101", "10.0.0.12:8100", "10.0.0.12:8101"]
+    assert gateway_plan["upstreams"] == placement.inference_upstreams(item, hv, HOSTS, []) == upstreams
+    assert (gateway_plan["gateway_address"], gateway_plan["listen"]) == ("10.0.0.11", "10.0.0.11")
+    assert gateway_plan["allow"] == ["10.0.0.0/24"]
+    assert gateway_plan["rates"] == {2: ["batch"], 40: ["alice"]}
+    assert gateway_plan["body_limits"] == gateway.inference_body_limits(item)
+    assert gateway_plan["max_conns"] == 6
+    assert gateway_plan["routes"] == gateway.inference_gateway_routes(item, 4)
+    assert gateway_plan["context_tokens"] == memory.inference_context_tokens(item)
+    assert (gateway_plan["model_dir"], gateway_plan["template"]) == (item["model_dir"], item["unit_template"])
+    # Another node serves its own workers: no upstreams, no keys; the gateway's address is the same.
+    node_plan = inference_plan(item, hv, "node2", HOSTS, [], keys)
+    assert [w["address"] for w in node_plan["workers"]] == ["10.0.0.12", "10.0.0.12"]
+    assert (node_plan["is_gateway"], node_plan["upstreams"], node_plan["rates"]) == (False, [], {})
+    assert node_plan["gateway_address"] == "10.0.0.11"
+    # Without a cluster address the gateway is reached at its ansible_host (nodes.node_address).
+    del hv["node1"]["ansible_facts"]["budgetgpu_net"]
+    assert inference_plan(item, hv, "node2", HOSTS, [], keys)["gateway_address"] == "host-10.0.0.11"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import gateway, services
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,6 +40,9 @@ def render(tmp_path: Path, service: dict) -> str:
         "rates": {100: ["ci"]},
         "listen": "10.0.0.11",
         "gateway_port": 8082,
+        "body_limits": gateway.inference_body_limits(service),
+        "max_conns": gateway.inference_max_conns(service),
+        "routes": gateway.inference_gateway_routes(service, len(UPSTREAMS)),
     }
     result = run_playbook(
         tmp_path, PLAYBOOK, {"test_repo": str(REPO), "test_out": str(out), "_inference_svc": entry}, host="node1"
