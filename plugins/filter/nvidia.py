@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ansible.errors import AnsibleFilterError  # noqa: F401  re-exported for callers of the old module  # pylint: disable=unused-import
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver, kernels
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver, kernels, torch_build
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import (  # noqa: F401  the module's old names  # pylint: disable=unused-import
     BLACKWELL_FIRST_ID,
     DEVICE_ID_RANGES,
@@ -27,7 +26,32 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import ( 
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors import as_filter
 
-cuda_package_suffix = as_filter(driver.cuda_package_suffix)
+
+def cuda_plan(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return role cuda's plan on one node: {nccl (nccl_package's answer for the torch build the venv gets; None
+    where auto cannot choose that build), toolkit_package (None where the inputs have problems), problems
+    (cuda_input_problems)}. inputs: those of cuda_input_problems but variant_problem and nccl_problem, and
+    torch_variant (cuda_torch_variant), cuda_variants, gpus (budgetgpu_gpus), simulated, nccl_versions."""
+    host, gpus = inputs.get("host"), inputs.get("gpus") or {}
+    runs = torch_build.driver_cuda(gpus, inputs.get("simulated"))
+    requested = inputs.get("torch_variant")
+    # auto on GPUs whose CUDA the NVML binding cannot read is refused; no build, hence no NCCL, is chosen then.
+    variant_problem = torch_build.torch_variant_problem("auto", runs, gpus) if requested == "auto" else ""
+    nccl = None
+    if not variant_problem:
+        variant = torch_build.torch_variant(requested, runs, inputs.get("cuda_variants"))
+        nccl = torch_build.nccl_package(
+            inputs.get("nccl_version"), inputs.get("nccl_versions"), variant, inputs.get("cuda_version"), host
+        )
+    checked = {**inputs, "variant_problem": variant_problem}
+    problems = driver.cuda_input_problems({**checked, **({"nccl_problem": nccl["problem"]} if nccl else {})})
+    if problems:
+        toolkit_package = None
+    elif inputs.get("toolkit_source") == "nvidia_repo":
+        toolkit_package = f"cuda-toolkit-{driver.cuda_package_suffix(inputs.get('cuda_version'))}"
+    else:
+        toolkit_package = "nvidia-cuda-toolkit"
+    return {"nccl": nccl, "toolkit_package": toolkit_package, "problems": problems}
 
 
 def nvidia_driver_plan(inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,10 +90,9 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "nvidia_driver_plan": nvidia_driver_plan,
-            "cuda_input_problems": driver.cuda_input_problems,
+            "cuda_plan": as_filter(cuda_plan),
             "deb_upstream_version": deb_upstream_version,
             "nccl_cuda_version": nccl_cuda_version,
-            "cuda_package_suffix": cuda_package_suffix,
             "nccl_version_text": nccl_version_tuple_text,
             "nvidia_kernel_problems": kernels.kernel_module_problems,
         }

@@ -9,7 +9,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors im
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import (  # noqa: F401  the module's old names  # pylint: disable=unused-import
     KNOWN_VARIANTS,
     driver_cuda,
-    nccl_package,
     parse_cuda_version,
     variant_cuda,
 )
@@ -30,6 +29,5 @@ class FilterModule:
             "torch_requirement": torch_requirement,
             "torch_pip_index": torch_pip_index,
             "torch_driver_cuda": driver_cuda,
-            "nccl_package": nccl_package,
             "python_env_problems": torch_build.python_env_problems,
         }

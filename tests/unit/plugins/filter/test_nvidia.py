@@ -8,8 +8,6 @@ import re
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.filter import nvidia
 from ansible_collections.budgetgpu.cluster.plugins.filter.nvidia import (
-    AnsibleFilterError,
-    cuda_package_suffix,
     deb_upstream_version,
     driver_branch,
     gpu_architecture_from_device_id,
@@ -19,6 +17,7 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.nvidia import (
     nccl_version_tuple_text,
     secure_boot_enabled,
 )
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import driver
 
 
 @pytest.mark.parametrize(
@@ -177,9 +176,9 @@ def test_nccl_cuda_version(nccl, cuda):
 
 
 def test_cuda_versions():
-    assert cuda_package_suffix("12.4") == "12-4"
-    with pytest.raises(AnsibleFilterError, match="MAJOR.MINOR"):
-        cuda_package_suffix("twelve")
+    assert driver.cuda_package_suffix("12.4") == "12-4"
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        driver.cuda_package_suffix("twelve")
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,6 @@ def test_filters_are_registered():
         "torch_requirement",
         "torch_pip_index",
         "torch_driver_cuda",
-        "nccl_package",
         "python_env_problems",
     }
 
