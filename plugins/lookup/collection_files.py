@@ -1,3 +1,5 @@
+# Copyright: budgetgpu maintainers
+# Apache License 2.0 (see galaxy.yml)
 """Lookup collection_files: files of the collection itself, by a pattern relative to its root."""
 
 # ruff: noqa: E402 (Ansible plugins import after DOCUMENTATION, EXAMPLES and RETURN)
@@ -6,7 +8,7 @@ from __future__ import annotations
 
 DOCUMENTATION = r"""
 name: collection_files
-author: budgetgpu maintainers
+author: budgetgpu maintainers (!UNKNOWN)
 short_description: Files of budgetgpu.cluster itself, by a pattern relative to the collection's root
 description:
   - The absolute paths of the collection's own files that match each term, a glob pattern relative to the root of
