@@ -98,7 +98,7 @@ lint: venv ## ansible-lint (production), ruff, yamllint, node code on Python 3.1
 	$(BIN)/python tests/check_node_python.py
 	@scripts/check-docs
 	@# ansible-lint and ansible-test sanity (the checks Galaxy holds collections to, on a copy of
-	@# the tree, offline: CONTRIBUTING.md, "ansible-test") use one core each: both at once, 90 s
+	@# the tree, offline: docs/ansible-test.md) use one core each: both at once, 90 s
 	@# instead of 150 on 2 cores; sanity's output follows ansible-lint's.
 	@# The molecule playbooks use community.docker and community.general from site-packages.
 	@sanity_log=$$(mktemp); \

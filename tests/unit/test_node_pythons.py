@@ -1,4 +1,4 @@
-"""Node code under the system Python of every release README.md's "Platforms" lists: 3.10 (Ubuntu 22.04),
+"""Node code under the system Python of every release docs/platforms.md lists: 3.10 (Ubuntu 22.04),
 3.11 (Debian 12), 3.12 (Ubuntu 24.04), 3.13 (Debian 13). The rest of the suite runs node code in .venv's
 3.11 only, so a call newer than 3.10 (`datetime.UTC`) passed it and crashed every pass of the health watch
 on Ubuntu 22.04.
