@@ -4,14 +4,8 @@ tests/unit/plugins/plugin_utils/); the role calls no other filter that only it u
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-import re
-from pathlib import Path
-
 from ansible_collections.budgetgpu.cluster.plugins.filter.nvidia import cuda_plan
 
-ROLE = Path(__file__).resolve().parents[4] / "roles" / "cuda"
 GPUS = {"count": 1, "driver": {"loaded": True, "cuda_driver_version": "13.0", "version": "580.65.06"}}
 INPUTS = {
     "host": "node1",
@@ -59,20 +53,3 @@ def test_the_nccl_packages_problem_is_the_checks_and_a_bad_version_leaves_no_too
     bad = cuda_plan({**INPUTS, "cuda_version": "twelve"})
     assert bad["toolkit_package"] is None
     assert "node1: cuda_version is 'twelve': expected MAJOR.MINOR such as 12.4" in bad["problems"]
-
-
-def test_the_role_calls_only_its_plan_and_the_filters_of_later_moments_or_other_roles() -> None:
-    text = "\n".join(path.read_text() for path in sorted(ROLE.rglob("*")) if path.suffix in (".yml", ".j2"))
-    package = importlib.import_module("ansible_collections.budgetgpu.cluster.plugins.filter")
-    filters = {
-        name
-        for info in pkgutil.iter_modules(package.__path__)
-        for name in importlib.import_module(f"{package.__name__}.{info.name}").FilterModule().filters()
-    }
-    assert set(re.findall(r"budgetgpu\.cluster\.(\w+)", text)) & filters == {
-        "cuda_plan",
-        # The versions installed, read after the install; deb_upstream_version is nvidia_driver's too.
-        "deb_upstream_version",
-        "nccl_cuda_version",
-        "nccl_version_text",
-    }

@@ -4,11 +4,7 @@ calls no other filter of this collection but the NCCL decision's."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
-import re
-from pathlib import Path
 
 from ansible_collections.budgetgpu.cluster.plugins.filter.nccl import (
     nccl_network_plan,
@@ -16,7 +12,6 @@ from ansible_collections.budgetgpu.cluster.plugins.filter.nccl import (
     nccl_network_report,
 )
 
-ROLE = Path(__file__).resolve().parents[4] / "roles" / "nccl_network"
 NET = {
     "interfaces": [
         {"name": "eth0", "kind": "physical", "addresses": [{"family": "ipv4", "address": "10.9.0.2", "prefixlen": 24}]}
@@ -127,22 +122,3 @@ def test_report_joins_the_iperf3_runs_the_floor_and_the_interfaces() -> None:
     assert (report["duration_s"], report["iperf3_streams"]) == (12.3, 4)
     assert report["interfaces"] == {"node1": "NCCL on eth0", "node2": "NCCL on veth0"}
     assert comm["table"][1].split()[-1] == "89%" and comm["table"][-1].endswith("PASS")
-
-
-def test_the_role_calls_only_its_plan_reachability_report_and_decision_filters() -> None:
-    # The filters only nccl_network calls are these; state_path is every role's.
-    text = "\n".join(path.read_text() for path in sorted(ROLE.rglob("*")) if path.suffix in (".yml", ".j2"))
-    package = importlib.import_module("ansible_collections.budgetgpu.cluster.plugins.filter")
-    filters = {
-        name
-        for info in pkgutil.iter_modules(package.__path__)
-        for name in importlib.import_module(f"{package.__name__}.{info.name}").FilterModule().filters()
-    }
-    assert set(re.findall(r"budgetgpu\.cluster\.(\w+)", text)) & filters == {
-        "nccl_network_plan",
-        "nccl_network_reachability",
-        "nccl_network_report",
-        "nccl_env",
-        "nccl_env_file",
-        "state_path",
-    }

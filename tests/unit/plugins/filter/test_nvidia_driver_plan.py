@@ -6,14 +6,9 @@ other filter that only it used."""
 from __future__ import annotations
 
 import base64
-import importlib
-import pkgutil
-import re
-from pathlib import Path
 
 from ansible_collections.budgetgpu.cluster.plugins.filter.nvidia import nvidia_driver_plan
 
-ROLE = Path(__file__).resolve().parents[4] / "roles" / "nvidia_driver"
 GTX_1080_TI = {"bus_id": "0000:03:00.0", "device_id": "0x1b06"}
 INPUTS = {
     "host": "node1",
@@ -80,26 +75,3 @@ def test_an_unsupported_os_gets_its_one_problem_from_the_facts_alone() -> None:
     assert plan["problems"] == [
         "node1: runs Fedora 40; budgetgpu.cluster.nvidia_driver supports Ubuntu 22.04/24.04 and Debian 12/13"
     ]
-
-
-def test_the_role_calls_only_its_plan_and_the_filters_of_later_moments_or_other_roles() -> None:
-    text = "\n".join(path.read_text() for path in sorted(ROLE.rglob("*")) if path.suffix in (".yml", ".j2"))
-    package = importlib.import_module("ansible_collections.budgetgpu.cluster.plugins.filter")
-    filters = {
-        name
-        for info in pkgutil.iter_modules(package.__path__)
-        for name in importlib.import_module(f"{package.__name__}.{info.name}").FilterModule().filters()
-    }
-    # nvidia_driver_branch is also the name of a variable, not a filter any more.
-    assert set(re.findall(r"budgetgpu\.cluster\.(\w+)", text)) & filters == {
-        "nvidia_driver_plan",
-        # After the group is made (its gid), and after the install (what the installed kernels lack).
-        "gpu_driver_device_options",
-        "nvidia_kernel_problems",
-        # Shared with other roles.
-        "deb_upstream_version",
-        "disruption_reboot",
-        "disruption_restart",
-        "gpu_group",
-        "pending_add",
-    }

@@ -4,16 +4,10 @@ functions (tested in tests/unit/plugins/plugin_utils/); the role calls no other 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-import re
-from pathlib import Path
-
 import pytest
 from ansible.errors import AnsibleFilterError
 from ansible_collections.budgetgpu.cluster.plugins.filter.slurm import FilterModule, slurm_plan
 
-ROLE = Path(__file__).resolve().parents[4] / "roles" / "slurm"
 LAYOUT = {"processor_vcpus": 32, "processor_count": 2, "processor_cores": 8, "processor_threads_per_core": 2}
 
 
@@ -74,23 +68,3 @@ def test_a_job_no_node_can_run_fails_the_task_naming_it() -> None:
     plan = FilterModule().filters()["slurm_plan"]
     with pytest.raises(AnsibleFilterError, match=r"node1: slurm_jobs\[pretrain\]"):
         plan({**INPUTS, "jobs": [{**INPUTS["jobs"][0], "gpus_per_node": 3}]})
-
-
-def test_the_role_calls_only_its_plan_and_the_checks_made_at_their_own_moments() -> None:
-    # state_path is every role's; the others each read what a task found on the host.
-    text = "\n".join(path.read_text() for path in sorted(ROLE.rglob("*")) if path.suffix in (".yml", ".j2"))
-    package = importlib.import_module("ansible_collections.budgetgpu.cluster.plugins.filter")
-    filters = {
-        name
-        for info in pkgutil.iter_modules(package.__path__)
-        for name in importlib.import_module(f"{package.__name__}.{info.name}").FilterModule().filters()
-    }
-    slurm_only = set(re.findall(r"budgetgpu\.cluster\.(slurm_\w+)", text)) & filters
-    assert slurm_only == {
-        "slurm_plan",
-        "slurm_preflight_problems",
-        "slurm_checkpoint_root_problems",
-        "slurm_cgroup_settings",
-        "slurm_gres_problems",
-        "slurm_secret_action",
-    }
