@@ -36,8 +36,9 @@ import fnmatch
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 NVIDIA_PREFIX = "nvidia"
 # The driver's fixed major (NV_MAJOR_DEVICE_NUMBER): the GPUs (minor N = /dev/nvidiaN) and the control nodes.
@@ -173,6 +174,30 @@ def node_allowed(
 def nvidia_groups(groups: dict[str, list[tuple[int, str]]]) -> list[tuple[int, str]]:
     """Return the (major, name) of the NVIDIA character groups the running driver registered."""
     return [(major, name) for major, name in groups.get("char", []) if name.startswith(NVIDIA_PREFIX)]
+
+
+def gpu_minor(gpu: Mapping[str, Any]) -> int:
+    """Return the driver's minor number of a GPU (/dev/nvidia<minor>): the probe's minor_number where it has one,
+    else its NVML index (the driver numbers GPUs in bus order, as NVML's index does)."""
+    minor = gpu.get("minor_number")
+    return int(minor if isinstance(minor, int) else gpu.get("index", 0))
+
+
+def unit_gpu_minors(show: Iterable[str], proc_devices: str, minors: Iterable[int]) -> set[int]:
+    """Return which of these GPU minors a unit may open, from the lines of `systemctl show
+    --property=DevicePolicy,DeviceAllow` (one DeviceAllow= line per entry): those its DeviceAllow= lets through,
+    or every one under DevicePolicy=auto with no DeviceAllow=, where systemd lets every device through."""
+    policy, allow = "auto", []
+    for line in show:
+        key, _sep, value = line.partition("=")
+        if key == "DevicePolicy":
+            policy = value.strip()
+        elif key == "DeviceAllow":
+            allow.append(value)
+    if policy == "auto" and not allow:
+        return set(minors)
+    rules, groups = parse_device_allow(allow), parse_proc_devices(proc_devices)
+    return {minor for minor in minors if node_allowed(rules, groups, GPU_MAJOR, minor)}
 
 
 def gpu_device_allow(minors: Iterable[int]) -> list[str]:

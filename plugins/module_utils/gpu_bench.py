@@ -2,9 +2,9 @@
 figures mean (each GPU against the median of its model across the cluster: stragglers with their
 likely cause, copies held back by their PCIe link).
 
-Plain standard-library Python with no imports from the rest of the collection, so that
-`roles/probe/files/gpu-probe --bench` loads this file by path on a node, and the filter
-`gpu_bench_report` runs it on the control node. The measuring part is gpu_bench_measure.py.
+Plain standard-library Python, importing only the node package's device_allow: gpu-probe --bench runs it on a
+node (budgetgpu_node), and the filter `gpu_bench_report` on the control node. The measuring part is
+gpu_bench_measure.py.
 
 A result is one GPU's measurement (gpu_bench_measure.measure_gpu):
 {host, index, uuid, bus_id, name, device_id, compute_capability, matmul_tflops: {dtype: TFLOPS},
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import statistics
 from typing import Any
+
+from .device_allow import gpu_minor
 
 # A GPU more than this fraction below the median of its model is a straggler (the issue's 15%).
 DEFAULT_THRESHOLD = 0.15
@@ -54,15 +56,15 @@ def model_key(gpu: dict[str, Any]) -> str:
 
 
 def busy_gpus(
-    gpus: list[dict[str, Any]], jobs_active: list[str], workers: dict[str, str], processes: dict[str, list[int]]
+    gpus: list[dict[str, Any]], jobs: dict[str, set[int]], workers: dict[str, str], processes: dict[str, list[int]]
 ) -> dict[str, str]:
-    """Return {uuid: why it is busy} for the node's GPUs: a training job uses every GPU of its node,
-    an inference worker the GPU its unit names (workers: {unit: uuid}), and NVML lists the processes
-    on a GPU (processes: {uuid: [pid]})."""
+    """Return {uuid: why it is busy} for the node's GPUs: a training job holds the GPUs its unit may open (jobs:
+    {unit: GPU minors}, from its DeviceAllow=, which the job model's job_gpus decided), an inference worker
+    the GPU its unit names (workers: {unit: uuid}), and NVML lists the processes on a GPU (processes: {uuid: [pid]})."""
     busy = {}
     for gpu in gpus:
         uuid = gpu.get("uuid")
-        reasons = [f"job {unit} runs on the node" for unit in jobs_active]
+        reasons = [f"job {unit} holds it" for unit, minors in sorted(jobs.items()) if gpu_minor(gpu) in minors]
         reasons += [f"inference worker {unit} uses it" for unit, used in sorted(workers.items()) if used == uuid]
         pids = processes.get(uuid) or []
         if pids:

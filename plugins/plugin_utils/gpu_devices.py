@@ -15,6 +15,7 @@ from ansible_collections.budgetgpu.cluster.plugins.module_utils.device_allow imp
     DEVICE_FILE_MODE,
     GPU_GROUP,
     gpu_device_allow,
+    gpu_minor,
 )
 
 # useradd's default NAME_REGEX (Debian's adduser is stricter still): a group name systemd and the driver accept.
@@ -32,13 +33,6 @@ def gpu_group(value: Any = None) -> str:
             f"at most 32, not starting with a digit), e.g. {GPU_GROUP}"
         )
     return value
-
-
-def gpu_minor(gpu: Mapping[str, Any]) -> int:
-    """Return the driver's minor number of a GPU of gpu_facts (/dev/nvidia<minor>): the probe's minor_number where
-    it has one, else its index (the driver numbers GPUs in bus order, as NVML's index does)."""
-    minor = gpu.get("minor_number")
-    return int(minor if isinstance(minor, int) else gpu.get("index", 0))
 
 
 def gpu_minors(gpus: Iterable[Mapping[str, Any]] | None, indices: Iterable[Any]) -> list[int]:

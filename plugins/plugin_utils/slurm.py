@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.device_allow import gpu_minor
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import inference_workers
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
@@ -127,9 +128,7 @@ def _node_gpus(
         except ValueError as exc:
             problems.append(f"GPU {index} ({bus_id}): {exc}")
             continue
-        # The driver's minor number where the probe has it; the driver numbers GPUs in bus order, as
-        # NVML's index does, so the index stands in for it.
-        minor = gpu.get("minor_number", index)
+        minor = gpu_minor(gpu)
         gpus.append(
             {
                 "index": index,

@@ -148,3 +148,24 @@ def test_the_plot_draws_every_gpu_against_its_peer_median(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_probe_bench_check_refuses_the_gpus_a_running_jobs_unit_may_open_and_no_other(sim_node, tmp_path):
+    # A job of nproc_per_node 1 on GPU 1: its unit's DeviceAllow= (jobs.job_gpus) opens 195:1 and nvidiactl.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "list-units) echo 'budgetgpu-job-main.service loaded active running budgetgpu job main' ;;\n"
+        "show) printf 'DevicePolicy=closed\\nDeviceAllow=/dev/char/195:255 rw\\nDeviceAllow=/dev/char/195:1 rw\\n' ;;\n"
+        "esac\n"
+    )
+    systemctl.chmod(0o755)
+    root, env = sim_node
+    done = bench((root, {**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}), "--check", "--json")
+    assert done.returncode == 3, done.stderr
+    busy = json.loads(done.stdout)["busy"]
+    assert list(busy.values()) == ["job budgetgpu-job-main.service holds it"], busy
+    assert "GPU 1 (" in json.loads(done.stdout)["refusal"] and "GPU 0 (" not in json.loads(done.stdout)["refusal"]

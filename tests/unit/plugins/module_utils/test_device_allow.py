@@ -111,3 +111,24 @@ def test_node_allowed_by_group_major_or_path():
     assert not device_allow.node_allowed(rules, groups, 237, 2, stat_char)
     # A missing path opens nothing (systemd warns and goes on).
     assert device_allow.allowed_nodes(device_allow.parse_device_allow(["/dev/nope rw"]), stat_char) == set()
+
+
+def test_a_units_gpus_are_those_its_device_allow_opens_as_systemctl_show_prints_it():
+    # systemctl show prints one DeviceAllow= line per entry, the last added first.
+    job = ["DevicePolicy=closed", "DeviceAllow=char-nvidia-uvm rw", "DeviceAllow=/dev/char/195:255 rw"]
+    job.append("DeviceAllow=/dev/char/195:1 rw")
+    assert device_allow.unit_gpu_minors(job, fixture("550"), [0, 1, 2, 3]) == {1}
+    # A list that names the GPU major's group opens every GPU, as in the unit.
+    whole = ["DevicePolicy=closed", "DeviceAllow=char-nvidia rw"]
+    assert device_allow.unit_gpu_minors(whole, fixture("550"), [0, 1]) == {0, 1}
+    # systemd's default (auto, no list) lets every device through; so does what systemctl could not show.
+    assert device_allow.unit_gpu_minors(["DevicePolicy=auto"], fixture("550"), [0, 1]) == {0, 1}
+    assert device_allow.unit_gpu_minors([], "", [0, 1]) == {0, 1}
+    # A closed policy with no list opens no GPU.
+    assert device_allow.unit_gpu_minors(["DevicePolicy=closed"], fixture("550"), [0, 1]) == set()
+
+
+def test_a_gpus_minor_is_the_probes_minor_number_else_its_index():
+    assert device_allow.gpu_minor({"index": 2}) == 2
+    assert device_allow.gpu_minor({"index": 2, "minor_number": 5}) == 5
+    assert device_allow.gpu_minor({"index": 2, "minor_number": None}) == 2

@@ -146,19 +146,24 @@ def test_a_copy_far_below_its_own_link_is_flagged_with_what_else_to_check():
 
 def test_busy_gpus_are_refused_naming_host_gpu_and_the_override():
     gpus = [{"index": 0, "uuid": "GPU-a"}, {"index": 1, "uuid": "GPU-b"}]
-    assert gpu_bench.busy_gpus(gpus, [], {}, {}) == {}
+    assert gpu_bench.busy_gpus(gpus, {}, {}, {}) == {}
     assert gpu_bench.refusal("node2", gpus, {}) is None
-    worker = gpu_bench.busy_gpus(gpus, [], {"budgetgpu-infer-chat@0.service": "GPU-b"}, {"GPU-a": []})
+    worker = gpu_bench.busy_gpus(gpus, {}, {"budgetgpu-infer-chat@0.service": "GPU-b"}, {"GPU-a": []})
     assert worker == {"GPU-b": "inference worker budgetgpu-infer-chat@0.service uses it"}
     message = gpu_bench.refusal("node2", gpus, worker)
     assert message.startswith("node2: will not benchmark GPUs in use")
     assert "GPU 1 (GPU-b): inference worker budgetgpu-infer-chat@0.service uses it" in message
     assert "gpu_bench_force=true" in message and "GPU 0" not in message
-    job = gpu_bench.busy_gpus(gpus, ["budgetgpu-job-main.service"], {}, {"GPU-a": [4242]})
-    assert job["GPU-a"] == "job budgetgpu-job-main.service runs on the node; processes 4242 use it"
+    held = {"budgetgpu-job-main.service": {0, 1}}
+    job = gpu_bench.busy_gpus(gpus, held, {}, {"GPU-a": [4242]})
+    assert job["GPU-a"] == "job budgetgpu-job-main.service holds it; processes 4242 use it"
     assert set(job) == {"GPU-a", "GPU-b"}
-    both = gpu_bench.refusal("node2", gpus, gpu_bench.busy_gpus(gpus, ["budgetgpu-job-main.service"], {}, {}))
-    assert "GPU 0 (GPU-a), GPU 1 (GPU-b): job budgetgpu-job-main.service runs on the node: stop them" in both
+    both = gpu_bench.refusal("node2", gpus, gpu_bench.busy_gpus(gpus, held, {}, {}))
+    assert "GPU 0 (GPU-a), GPU 1 (GPU-b): job budgetgpu-job-main.service holds it: stop them" in both
+    # A job of nproc_per_node 1 holds GPU 0 (jobs.job_gpus, its unit's DeviceAllow=): GPU 1 may be measured.
+    assert gpu_bench.busy_gpus(gpus, {"budgetgpu-job-main.service": {0}}, {}, {}) == {
+        "GPU-a": "job budgetgpu-job-main.service holds it"
+    }
 
 
 def test_the_table_shows_each_gpu_against_its_peers_and_the_verdict():
