@@ -1,7 +1,7 @@
 """Which NVIDIA character devices a systemd unit's DeviceAllow= list lets through.
 
-Plain standard-library Python with no imports from the rest of the collection, so that
-`roles/probe/files/gpu-smoke` can load this file by path on a node without Ansible.
+Plain standard-library Python with no imports from the rest of the collection: `roles/probe/files/gpu-smoke`
+and gpu-probe import it from the node package (budgetgpu_node) on a node without Ansible.
 
 With DevicePolicy=closed a unit may open only /dev/null and co plus what DeviceAllow= names.
 systemd resolves each entry when the unit starts (src/core/bpf-devices.c):

@@ -2,7 +2,7 @@
 energy from RAPL, the rest of the node as an estimate, at a price.
 
 Plain standard-library Python with no imports from the rest of the collection (roles/probe/files/gpu-probe
-and the RAPL reader, roles/node_exporter/files/budgetgpu-rapl, load this file by path). The one
+and the RAPL reader, roles/node_exporter/files/budgetgpu-rapl, import it from the node package). The one
 place for the arithmetic: the provisioning summary (filter gpu_energy_summary), the nightly
 summary (energy_reading, energy_per_day), a job's status (job_run_energy) and gpu-probe call it.
 

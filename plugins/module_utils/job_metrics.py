@@ -17,8 +17,8 @@ scrape. What stays is what is still true: the last step, the file's age, running
 A status file is the job's, not the watch's: parse_status holds its schema and bound (one function,
 STATUS_FIELDS and RANK_FIELDS its table), and a file it refuses costs that job's metrics only.
 
-Plain standard-library Python with no imports from the rest of the collection (the watch loads it
-by path, as it loads gpu_metrics.py). Pure over its inputs.
+Plain standard-library Python with no imports from the rest of the collection (the watch imports it
+from the node package, as it imports gpu_metrics). Pure over its inputs.
 """
 
 from __future__ import annotations

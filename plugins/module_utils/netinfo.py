@@ -1,7 +1,7 @@
 """Network interfaces, InfiniBand/RoCE devices and the cluster interface, from sysfs and `ip`.
 
 Plain standard-library Python with no imports from the rest of the collection (roles/probe/files/gpu-probe
-loads this file by path). Addresses come from `ip -j addr` output that the caller collects
+imports it from the node package). Addresses come from `ip -j addr` output that the caller collects
 (the module runs it in the C locale); `read_addresses_fallback` covers nodes without iproute2.
 """
 

@@ -1,7 +1,7 @@
 """Driver state and per-GPU facts from NVML, through a pynvml-like module object.
 
 Plain standard-library Python with no imports from the rest of the collection (roles/probe/files/gpu-probe
-loads this file by path). The caller imports `pynvml` (nvidia-ml-py, or the gpu_sim drop-in)
+imports it from the node package). The caller imports `pynvml` (nvidia-ml-py, or the gpu_sim drop-in)
 and passes the module in; nothing here imports it.
 
 A field the GPU does not support is the string "unsupported" (UNSUPPORTED); a field that failed

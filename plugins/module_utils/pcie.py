@@ -1,7 +1,7 @@
 """PCIe topology of NVIDIA GPUs, read from sysfs (works before any driver is installed).
 
-Plain standard-library Python with no imports from the rest of the collection, so that
-`roles/probe/files/gpu-probe` can load this file by path on a node without Ansible.
+Plain standard-library Python with no imports from the rest of the collection: `roles/probe/files/gpu-probe`
+imports it from the node package (budgetgpu_node) on a node without Ansible.
 
 How links are found: `<root>/bus/pci/devices/<bdf>` links to `<root>/devices/pci<dom>:<bus>/...`;
 the PCI functions in that path, root first, are the bridges above the GPU. A root port (a

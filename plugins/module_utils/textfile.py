@@ -7,7 +7,7 @@ RAPL reader (energy.py). This writes them: a format someone else maintains comes
 prometheus_client is imported when exposition is called (the watch's `check` and `fact` write no
 metrics): Debian's and Ubuntu's python3-prometheus-client, which roles gpu_health and node_exporter
 install (0.9.0 on Ubuntu 22.04, 0.16.0 on Debian 12: nothing newer than 0.9 is used). Standard-library
-Python otherwise, with no imports from the rest of the collection: its callers load it from beside them.
+Python otherwise, with no imports from the rest of the collection: its callers import it from the node package.
 """
 
 from __future__ import annotations
