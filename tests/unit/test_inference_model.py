@@ -837,6 +837,11 @@ def test_the_gateway_passes_the_openai_paths_of_the_task_and_only_content_type(e
         "/v1/chat/completions",
     ]
     assert gateway.inference_gateway_routes(embeddings, 2)["paths"] == ["/v1/models", "/v1/embeddings"]
+    assert gateway.inference_gateway_routes(embeddings, 2)["methods"] == {
+        "/health": ["GET", "HEAD"],
+        "/v1/models": ["GET", "HEAD"],
+        "/v1/embeddings": ["POST"],
+    }
     # An allow-list: the key, X-Conversation-Id (llama-server goes on generating after the client left) and the
     # rest stay at the gateway.
     assert gateway.inference_gateway_routes(generation, 2)["headers"] == ["Content-Type"]

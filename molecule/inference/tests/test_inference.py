@@ -29,8 +29,8 @@ KEY, SLOW_KEY = "molecule-inference-ci-key-0123456789abcdef", "molecule-inferenc
 OTHER_KEY = "molecule-inference-other-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
-# Runs on a node: one HTTP request per entry of argv[1] (JSON list of {url, body, stream}), all in
-# parallel; prints [{status, worker, retry_after, body, seconds, error}].
+# Runs on a node: one HTTP request per entry of argv[1] (JSON list of {url, body, headers, method}), all in
+# parallel; prints [{status, worker, retry_after, allow, body, seconds, error}].
 CLIENT = r"""
 import json, sys, time, urllib.error, urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +39,8 @@ def call(spec):
     start = time.monotonic()
     data = json.dumps(spec["body"]).encode() if spec.get("body") is not None else None
     headers = {"Content-Type": "application/json", **spec.get("headers", {})}
-    req = urllib.request.Request(spec["url"], data=data, headers=headers)
-    out = {"status": None, "worker": None, "retry_after": None, "body": None, "error": None}
+    req = urllib.request.Request(spec["url"], data=data, headers=headers, method=spec.get("method"))
+    out = {"status": None, "worker": None, "retry_after": None, "body": None, "error": None, "allow": None}
     try:
         with urllib.request.urlopen(req, timeout=spec.get("timeout", 60)) as answer:
             out["status"], out["worker"] = answer.status, answer.headers.get("X-Budgetgpu-Worker")
@@ -48,6 +48,7 @@ def call(spec):
     except urllib.error.HTTPError as err:
         out["status"], out["worker"] = err.code, err.headers.get("X-Budgetgpu-Worker")
         out["retry_after"], out["body"] = err.headers.get("Retry-After"), err.read().decode()
+        out["allow"] = err.headers.get("Allow")
     except Exception as err:
         out["error"] = f"{type(err).__name__}: {err}"
     out["seconds"] = time.monotonic() - start
@@ -277,7 +278,7 @@ def error_of(answer: dict) -> dict:
 def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
     url = f"http://{gateway}:{EMBED_GATEWAY}"
     body = {"model": "embed", "input": "cat"}
-    missing, bad, folded, good, health, metrics, admin, other_task = requests(
+    missing, bad, folded, good, health, metrics, admin, other_task, read, deleted, posted_health = requests(
         OTHER,
         [
             {"url": f"{url}/v1/embeddings", "body": body},
@@ -290,6 +291,11 @@ def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
             {"url": f"{url}/pause", "body": {}, "headers": AUTH},  # vLLM's; no engine's own path passes
             # Only the paths of the service's task (issue 40): an embeddings service has no completions.
             {"url": f"{url}/v1/completions", "body": {"prompt": "x"}, "headers": AUTH},
+            # Only the methods each path takes (issue 40): a GET of embeddings, a DELETE of the model list, a
+            # POST to /health, with or without a key.
+            {"url": f"{url}/v1/embeddings", "headers": AUTH},
+            {"url": f"{url}/v1/models", "method": "DELETE"},
+            {"url": f"{url}/health", "body": {}},
         ],
     )
     assert missing["status"] == 401 and error_of(missing)["code"] == "missing_api_key", missing
@@ -298,6 +304,9 @@ def test_the_gateway_wants_a_key_but_health_is_open(gateway: str) -> None:
     assert good["status"] == 200, good
     assert health["status"] == 200 and json.loads(health["body"])["status"] == "ok", health
     assert metrics["status"] == 404 and "not served through the gateway" in error_of(metrics)["message"], metrics
+    for refused, allow in ((read, "POST"), (deleted, "GET, HEAD"), (posted_health, "GET, HEAD")):
+        assert refused["status"] == 405 and error_of(refused)["code"] == "method_not_allowed", refused
+        assert refused["allow"] == allow and refused["worker"] is None, refused
     for refused in (admin, other_task):
         assert refused["status"] == 404 and error_of(refused)["message"] == (
             "this path is not served through the gateway of service embed (only /v1/models, /v1/embeddings and /health)"

@@ -134,21 +134,33 @@ GATEWAY_PATHS = {
 
 
 GATEWAY_CLIENT_HEADERS = ("Content-Type",)
+# The methods each path takes, as OpenAI's API does: the model list and the health check are read, the rest is
+# posted. Any other method is a 405 at NGINX (issue 40): no engine sees a DELETE or a GET where it expects a POST.
+GATEWAY_METHODS = {
+    "/health": ("GET", "HEAD"),
+    "/v1/models": ("GET", "HEAD"),
+    "/v1/embeddings": ("POST",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+}
 
 
 def inference_gateway_routes(service: Mapping[str, Any], workers: int) -> dict[str, Any]:
     """Return what the service's gateway passes and how much one key may hold: {paths: the OpenAI
-    paths of its task, headers: the client headers passed (all others are dropped), conns_per_key:
-    the requests at a time one API key may have in the gateway: gateway.conns_per_key, else half of
-    what its ``workers`` workers admit together (concurrency + queue each), at least 1}. Past it NGINX
-    answers 429, so that one key cannot take every worker's slots and starve the other keys."""
+    paths of its task, methods: {path: the methods it takes} (those paths and /health), headers: the
+    client headers passed (all others are dropped), conns_per_key: the requests at a time one API key
+    may have in the gateway: gateway.conns_per_key, else half of what its ``workers`` workers admit
+    together (concurrency + queue each), at least 1}. Past it NGINX answers 429, so that one key cannot
+    take every worker's slots and starve the other keys."""
     task = service.get("task")
     if task not in GATEWAY_PATHS:
         raise ValueError(f"service {service.get('name')}: task: found {task!r}, expected one of {', '.join(TASKS)}")
     own = (service.get("gateway") or {}).get("conns_per_key")
     admitted = max(int(workers or 0), 0) * inference_max_conns(service)
+    paths = list(GATEWAY_PATHS[task])
     return {
-        "paths": list(GATEWAY_PATHS[task]),
+        "paths": paths,
+        "methods": {path: list(GATEWAY_METHODS[path]) for path in ["/health", *paths]},
         "headers": list(GATEWAY_CLIENT_HEADERS),
         "conns_per_key": int(own) if _is_int(own) and own > 0 else max(1, admitted // 2),
     }

@@ -81,6 +81,23 @@ def test_the_gateway_passes_the_tasks_paths_and_content_type_only_and_bounds_eac
         ("Content-Type", "$http_content_type"),
     }
     assert "$proxy_add_x_forwarded_for" not in text
+    # Methods: each served path takes OpenAI's, before any key is asked for; the rest is a 405 naming them
+    # (/metrics answers 404 to every method).
+    blocks = dict(re.findall(r"^\s*location = (\S+) \{(.*?)^    \}", text, re.MULTILINE | re.DOTALL))
+    taken = {
+        path: re.search(r"if \(\$request_method !~ \^\((\S+)\)\$\)", blocks[path])[1]
+        for path in blocks
+        if path != "/metrics"
+    }
+    assert taken == {
+        "/health": "GET|HEAD",
+        "/v1/models": "GET|HEAD",
+        "/v1/completions": "POST",
+        "/v1/chat/completions": "POST",
+    }, taken
+    chat = blocks["/v1/chat/completions"]
+    assert chat.index("return 405") < chat.index("$http_authorization")
+    assert 'add_header Allow "POST" always;' in chat and '"code":"method_not_allowed"' in chat
     # Each key: 4 workers x (2 + 4) admit 24 at a time; one key holds at most half.
     assert "limit_conn_zone $budgetgpu_llama_key zone=budgetgpu_llama_keys:1m;" in text
     assert text.count("limit_conn budgetgpu_llama_keys 12;") == 3
