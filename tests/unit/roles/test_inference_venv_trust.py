@@ -9,39 +9,22 @@ import json
 import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
 import yaml
+from ansible_collections.budgetgpu.cluster.tests.unit.planted_venv import look as venv_state
+from ansible_collections.budgetgpu.cluster.tests.unit.planted_venv import make_venv
 
 REPO = Path(__file__).resolve().parents[3]
 LOOK = REPO / "roles" / "inference" / "files" / "inference_state.py"
-TRUST = REPO / "roles" / "_trusted_venv" / "files" / "venv_state.py"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another uid")
-
-
-def make_venv(root: Path, marker: Path) -> Path:
-    """A venv holding demo==1.0 and a planted .pth that writes `marker` when the venv's python starts."""
-    path = root / "venv"
-    venv.create(path, with_pip=False, symlinks=True)
-    site = next(path.glob("lib/python3*/site-packages"))
-    (site / "demo-1.0.dist-info").mkdir()
-    (site / "demo-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
-    (site / "zz-planted.pth").write_text(f"import os; open({str(marker)!r}, 'w').write(str(os.getuid()))\n")
-    return site
 
 
 def look(path: Path, *requirements: str) -> dict:
     """The role's look at its workers' venv (role _trusted_venv's), with `missing`: the requirements it does
     not vouch for."""
-    out = subprocess.run(
-        [sys.executable, "-I", "-c", TRUST.read_text(), str(path), *requirements],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    found = json.loads(out)
+    found = venv_state(path, *requirements)
     return found | {
         "missing": [req for req, have in zip(requirements, found["satisfied"], strict=True) if have is None]
     }
@@ -66,16 +49,10 @@ def test_the_role_passes_its_venv_through_the_trusted_venv_look_before_pip():
 
 
 def test_a_venv_root_alone_wrote_is_trusted_and_read(tmp_path):
-    make_venv(tmp_path, tmp_path / "marker")
+    make_venv(tmp_path / "venv", marker=tmp_path / "marker")
     got = look(tmp_path / "venv", "demo==1.0", "other==2.0")
-    expected_above = subprocess.run(
-        [sys.executable, "-I", "-c", TRUST.read_text(), str(tmp_path / "venv")],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
     assert got["unsafe_inside"] is None
-    assert got["unsafe_above"] == json.loads(expected_above.stdout)["unsafe_above"]
+    assert got["unsafe_above"] == venv_state(tmp_path / "venv")["unsafe_above"]
     if got["unsafe_above"] is None:
         assert got["missing"] == ["other==2.0"]
     assert not (tmp_path / "marker").exists()
@@ -83,7 +60,7 @@ def test_a_venv_root_alone_wrote_is_trusted_and_read(tmp_path):
 
 @as_root
 def test_a_venv_the_training_user_owns_is_refused_and_not_read(tmp_path):
-    site = make_venv(tmp_path, tmp_path / "marker")
+    site = make_venv(tmp_path / "venv", marker=tmp_path / "marker")
     os.chown(site / "zz-planted.pth", 1234, 1234)
     got = look(tmp_path / "venv", "demo==1.0")
     assert got["unsafe_inside"] == f"{site / 'zz-planted.pth'} is owned by uid 1234"
@@ -93,7 +70,7 @@ def test_a_venv_the_training_user_owns_is_refused_and_not_read(tmp_path):
 
 @as_root
 def test_a_user_owned_venv_directory_is_refused(tmp_path):
-    make_venv(tmp_path, tmp_path / "marker")
+    make_venv(tmp_path / "venv", marker=tmp_path / "marker")
     os.chown(tmp_path / "venv", 1234, 1234)
     got = look(tmp_path / "venv", "demo==1.0")
     assert got["unsafe_inside"] == f"{tmp_path / 'venv'} is owned by uid 1234"

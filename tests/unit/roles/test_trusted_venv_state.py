@@ -6,42 +6,18 @@ caller's rights: root must never start the venv's python where another user may 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
+from ansible_collections.budgetgpu.cluster.tests.unit.planted_venv import VENV_STATE, look, make_venv
 
 REPO = Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "roles" / "_trusted_venv" / "files" / "venv_state.py"
-state = load_file_module("venv_state", SCRIPT)
+state = load_file_module("venv_state", VENV_STATE)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another uid")
-
-PLANT = "import os; open({marker!r}, 'w').write(str(os.getuid()))\n"
-
-
-def make_venv(path: Path, *, marker: Path) -> Path:
-    """A venv without pip, a dist-info for demo==1.0, and a planted .pth file that writes `marker`."""
-    venv.create(path, with_pip=False, symlinks=True)
-    site = next(path.glob("lib/python3*/site-packages"))
-    (site / "demo-1.0.dist-info").mkdir()
-    (site / "demo-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n")
-    (site / "zz-planted.pth").write_text(PLANT.format(marker=str(marker)))
-    return site
-
-
-def run_script(venv_path: Path, *specs: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-I", "-c", SCRIPT.read_text(), str(venv_path), *specs],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return json.loads(out)
 
 
 def test_the_look_runs_nothing_the_venv_holds(tmp_path):
@@ -51,12 +27,12 @@ def test_the_look_runs_nothing_the_venv_holds(tmp_path):
     subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", "pass"], check=True)
     assert marker.exists()
     marker.unlink()
-    run_script(tmp_path / "venv", "demo==1.0")
+    look(tmp_path / "venv", "demo==1.0")
     assert not marker.exists()
 
 
 def test_no_venv_yet(tmp_path):
-    assert run_script(tmp_path / "venv", "demo==1.0", "torch") == {
+    assert look(tmp_path / "venv", "demo==1.0", "torch") == {
         "exists": False,
         "unsafe_above": state.unsafe_above(str(tmp_path / "venv")),
         "unsafe_inside": None,
@@ -80,7 +56,7 @@ def test_a_world_writable_folder_above_the_venv_is_named(tmp_path):
     (tmp_path / "open").mkdir()
     (tmp_path / "open").chmod(0o1777)
     make_venv(tmp_path / "open" / "venv", marker=tmp_path / "marker")
-    result = run_script(tmp_path / "open" / "venv", "demo==1.0")
+    result = look(tmp_path / "open" / "venv", "demo==1.0")
     assert result["unsafe_above"] == f"{tmp_path / 'open'} is writable by every user (mode 1777)"
     assert result["satisfied"] == [None]  # nothing vouched for in a venv someone else may have written
 
