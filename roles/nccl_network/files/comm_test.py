@@ -218,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, handle, indent=1)
         os.replace(args.out + ".tmp", args.out)
     dist.barrier()
-    # NCCL wants its communicators destroyed before exit; a destroyed gloo group can make a
-    # finished rank abort at exit (see train_ddp.py), so gloo's is left to the interpreter.
-    if args.backend == "nccl":
-        dist.destroy_process_group()
+    # Before the interpreter's teardown: NCCL wants its communicators destroyed, and a gloo group's worker
+    # threads must be joined, or one that lets go of a finished collective's tensors during the teardown
+    # cannot take the GIL and the rank aborts (train_ddp.exit_process). Nothing else holds this group.
+    dist.destroy_process_group()
     wrong = sum(row["wrong"] for row in rows)
     if wrong:
         print(f"rank {rank}: {wrong} wrong elements after all-reduce: the transport corrupts data", file=sys.stderr)

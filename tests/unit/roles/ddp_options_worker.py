@@ -144,4 +144,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    train_ddp.exit_process(main())  # as the trainer ends: its docstring says why

@@ -50,3 +50,4 @@ def main(directory: str, mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[2:5])
+    train_ddp.exit_process(0)  # as the trainer ends: its docstring says why
