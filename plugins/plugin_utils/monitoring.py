@@ -11,12 +11,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
     inference_workers,
     service_hosts,
 )
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_gpus
 
 # The defaults of the cluster-wide inputs budgetgpu_node_exporter_port and
 # budgetgpu_node_exporter_textfile_dir, which roles node_exporter, prometheus and gpu_health read (each
@@ -70,19 +71,49 @@ def prometheus_url(host: str, hostvars: Mapping[str, Any], listen_address: str) 
     return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
+def recorded_inference_targets(config: str | None) -> list[dict[str, Any]]:
+    """Return the static_configs of job inference in the prometheus.yml an earlier run wrote (its text; [] without
+    one, or where it does not parse): the workers' targets as they were last known."""
+    try:
+        parsed = yaml.safe_load(config or "")
+    except yaml.YAMLError:
+        return []
+    jobs = parsed.get("scrape_configs") if isinstance(parsed, Mapping) else None
+    for job in jobs if isinstance(jobs, list) else []:
+        # The job's name in roles/prometheus/templates/prometheus.yml.j2 (and the rules' up{job="inference"}).
+        if isinstance(job, Mapping) and job.get("job_name") == "inference":
+            configs = job.get("static_configs")
+            return [dict(c) for c in configs or [] if isinstance(c, Mapping) and isinstance(c.get("labels"), Mapping)]
+    return []
+
+
 def inference_scrape_targets(
-    services: list[Mapping[str, Any]] | None, hostvars: Mapping[str, Any], hosts: list[str]
-) -> list[dict[str, Any]]:
-    """Return Prometheus static_configs for every inference worker of every service that is not absent
-    (services normalised by inference_services_normalize): the worker's address and port as the
-    inference role places it (inference_workers, with the node's own budgetgpu_jobs, as the role reads
-    them), labelled node (inventory name), service, slot, unit and gpu_uuid. A node without facts (not
-    probed) raises ValueError: its workers' ports are not known."""
-    configs = []
+    services: list[Mapping[str, Any]] | None,
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    recorded: str | None = None,
+) -> dict[str, Any]:
+    """Return {configs, stale, unknown, report} of every inference worker of every service that is not absent
+    (services normalised by inference_services_normalize). configs: Prometheus static_configs, each worker's
+    address and port as the inference role places it (inference_workers, with the node's own budgetgpu_jobs, as
+    the role reads them), labelled node (inventory name), service, slot, unit and gpu_uuid. A node without GPU
+    facts in this run (down, its cached facts expired, or left out by --limit) keeps its workers' targets of the
+    last configuration (recorded: the text of the prometheus.yml an earlier run wrote) and is named in stale:
+    Prometheus shows them down, and one node down does not stop the configuration of the others. One that no
+    earlier configuration holds is named in unknown (its workers' ports are not known: not scraped until a run
+    reaches it). report: one line for each of those nodes."""
+    configs, stale, unknown = [], [], []
+    last_known = recorded_inference_targets(recorded)
     for service in services or []:
         if service.get("state") == "absent":
             continue
+        name = str(service.get("name"))
         for host in service_hosts(service, hostvars, hosts):
+            if node_gpus(hostvars, host) is None:
+                kept = [c for c in last_known if (c["labels"].get("node"), c["labels"].get("service")) == (host, name)]
+                configs += kept
+                (stale if kept else unknown).append(host)
+                continue
             jobs = fact(hostvars, host, "budgetgpu_jobs") or []
             for worker in inference_workers(service, hostvars, host, jobs):
                 labels = {
@@ -93,7 +124,17 @@ def inference_scrape_targets(
                     "gpu_uuid": str(worker.get("gpu_uuid") or ""),
                 }
                 configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
-    return configs
+    stale, unknown = list(dict.fromkeys(stale)), list(dict.fromkeys(unknown))
+    report = [
+        f"{host}: no GPU facts in this run (down or left out): Prometheus keeps its inference workers' targets of the "
+        "last run (stale: run again once it is up)"
+        for host in stale
+    ] + [
+        f"{host}: no GPU facts in this run (down or left out) and no earlier run placed its inference workers: they "
+        "are not scraped until a run reaches it"
+        for host in unknown
+    ]
+    return {"configs": configs, "stale": stale, "unknown": unknown, "report": report}
 
 
 _DURATION = re.compile(r"([0-9]+(ms|s|m|h|d|w|y))+")

@@ -60,7 +60,9 @@ def test_inference_targets_are_the_workers_the_service_model_places():
             {"name": "old", "model": "/m/old", "task": "generation", "nodes": "serve", "port": 8200, "state": "absent"},
         ]
     )
-    targets = inference_scrape_targets(services, hostvars, ["node1", "node2"])
+    found = inference_scrape_targets(services, hostvars, ["node1", "node2"])
+    assert (found["stale"], found["unknown"], found["report"]) == ([], [], [])
+    targets = found["configs"]
     # The gateway's upstreams, from the same model: the same workers.
     jobs = hostvars["node1"]["budgetgpu_jobs"]
     assert [t["targets"][0] for t in targets] == inference_upstreams(services[0], hostvars, ["node1", "node2"], jobs)
@@ -75,20 +77,70 @@ def test_inference_targets_are_the_workers_the_service_model_places():
         "unit": "budgetgpu-infer-chat@0.service",
         "gpu_uuid": "GPU-10.0.0.11-1",
     }
-    assert inference_scrape_targets([], hostvars, ["node1"]) == []
+    assert inference_scrape_targets([], hostvars, ["node1"])["configs"] == []
 
 
-def test_inference_targets_refuse_a_node_without_facts():
+# The inference job of a prometheus.yml an earlier run wrote: node1's worker of chat and of embed, node2's of chat.
+RECORDED = """
+scrape_configs:
+  - job_name: prometheus
+    static_configs:
+      - targets: ["localhost:9090"]
+  - job_name: inference
+    static_configs: [
+      {"targets": ["10.0.0.11:8100"], "labels": {"node": "node1", "service": "chat", "slot": "0",
+       "unit": "budgetgpu-infer-chat@0.service", "gpu_uuid": "GPU-a"}},
+      {"targets": ["10.0.0.11:8200"], "labels": {"node": "node1", "service": "embed", "slot": "0",
+       "unit": "budgetgpu-infer-embed@0.service", "gpu_uuid": "GPU-a"}},
+      {"targets": ["10.0.0.12:8100"], "labels": {"node": "node2", "service": "chat", "slot": "0",
+       "unit": "budgetgpu-infer-chat@0.service", "gpu_uuid": "GPU-b"}}]
+"""
+
+
+def test_a_node_without_facts_keeps_its_last_targets_and_is_reported_stale_instead_of_stopping_the_config():
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
         inference_services_normalize,
     )
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
 
     services = inference_services_normalize(
-        [{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node9"]}]
+        [{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node1", "node2", "node9"], "port": 8100}]
     )
-    with pytest.raises(ValueError, match="node9: service chat: gpus: found no GPU facts"):
-        inference_scrape_targets(services, {}, ["node9"])
+    # node1 is down (its cached facts expired), node9 is new and down; node2 answered this run.
+    facts = {"budgetgpu_net": net("10.0.0.12", chosen="10.0.0.12"), "budgetgpu_gpus": {"gpus": [{"index": 0}]}}
+    hostvars = {"node2": {"ansible_facts": facts}}
+    found = inference_scrape_targets(services, hostvars, ["node1", "node2", "node9"], RECORDED)
+    assert [(c["targets"], c["labels"]["node"], c["labels"]["service"]) for c in found["configs"]] == [
+        (["10.0.0.11:8100"], "node1", "chat"),  # as the last run wrote it, gpu_uuid and all: Prometheus shows it down
+        (["10.0.0.12:8100"], "node2", "chat"),
+    ]
+    assert found["configs"][0]["labels"]["gpu_uuid"] == "GPU-a"
+    assert (found["stale"], found["unknown"]) == (["node1"], ["node9"])
+    assert found["report"] == [
+        "node1: no GPU facts in this run (down or left out): Prometheus keeps its inference workers' targets of the "
+        "last run (stale: run again once it is up)",
+        "node9: no GPU facts in this run (down or left out) and no earlier run placed its inference workers: they "
+        "are not scraped until a run reaches it",
+    ]
+    # No earlier config (the first run), or one that does not parse: the node is unknown, the others go on.
+    for recorded in ("", "scrape_configs: [", None):
+        found = inference_scrape_targets(services, hostvars, ["node1", "node2"], recorded)
+        assert [c["labels"]["node"] for c in found["configs"]] == ["node2"]
+        assert found["unknown"] == ["node1", "node9"]
+
+
+def test_a_node_with_facts_whose_placement_fails_still_fails():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+        inference_services_normalize,
+    )
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
+
+    services = inference_services_normalize(
+        [{"name": "chat", "model": "/m/chat", "task": "generation", "nodes": ["node1"], "gpus": [3]}]
+    )
+    hostvars = {"node1": {"ansible_facts": {"budgetgpu_gpus": {"gpus": [{"index": 0}]}}}}
+    with pytest.raises(ValueError, match="node1: service chat: gpus: found GPU 3, expected a GPU index of node1"):
+        inference_scrape_targets(services, hostvars, ["node1"], RECORDED)
 
 
 ALERTMANAGER = {
