@@ -1,8 +1,8 @@
 """The GPU health watch's decisions: Xid lines, the kernel log read incrementally, findings from one
 sample against the previous one, and the per-GPU state with its log lines.
 
-Plain standard-library Python, importing only the node package's pcie and nvml_probe, for gpu-probe
-and the watch that a timer runs on a node. Every function here is pure over its inputs: the caller
+Plain standard-library Python, importing only the node package's pcie, nvml_probe and device_allow, for
+gpu-probe and the watch that a timer runs on a node. Every function here is pure over its inputs: the caller
 reads NVML (nvml_probe), sysfs and the kernel log, and writes the state file and the log lines.
 
 One pass, as the watch runs it:
@@ -11,6 +11,9 @@ One pass, as the watch runs it:
     findings = pass_findings(sample, previous_sample, boot_links, events)
     state, lines = watch_state(state, findings, now)
     previous_sample = next_previous(sample, previous_sample)                   # saved for the next pass
+
+and root's part after it (gpu-health restart-jobs): job_restarts(state, running job units) says which job
+restarts on fewer GPUs.
 
 A sample is {"gpus": [gpu, ...]}; one gpu holds what nvml_probe.probe_gpu reports (index, uuid,
 bus_id, temperature_c, fan_speed_pct, throttle_reasons, retired_pages, remapped_rows, pcie with
@@ -33,6 +36,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from .device_allow import gpu_minor
 from .nvml_probe import UNSUPPORTED, known
 from .pcie import normalize_bus_id
 
@@ -605,3 +609,47 @@ def start_plan(gpus: list[str], out: dict[str, dict[str, Any]], nproc: int, fixe
     elif left_out:
         plan["reason"] = f"{len(visible)} of {len(wanted)} GPUs: left out {'; '.join(left_out)}"
     return plan
+
+
+def newly_quarantined(state: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Return {uuid: {reason, since, by}} of the GPUs that the pass which wrote this state took out: the
+    watch's take-outs dated at the pass's time (its "updated"). The inventory's list is not new to a job:
+    the launcher left those GPUs out when the job started."""
+    state = state or {}
+    updated = state.get("updated")
+    out = state.get("quarantine") if isinstance(state.get("quarantine"), dict) else {}
+    return {
+        uuid: why for uuid, why in out.items() if updated and why.get("by") == "watch" and why.get("since") == updated
+    }
+
+
+def gpu_minors(state: dict[str, Any] | None) -> dict[str, int]:
+    """Return {uuid: device minor (/dev/nvidia<minor>)} of the GPUs the watch remembers, present or missing: a
+    GPU off the bus keeps the minor it had, while NVML numbers the others anew."""
+    return {gpu["uuid"]: gpu_minor(gpu) for gpu in _remembered((state or {}).get("previous")) if gpu.get("uuid")}
+
+
+def job_restarts(state: dict[str, Any] | None, units: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
+    """Return [{unit, action restart|keep, reason}] for the running training job units that hold a GPU the
+    last pass took out (newly_quarantined). units: {unit: {"minors": the GPU minors its DeviceAllow= opens
+    (device_allow.unit_gpu_minors), "fixed": whether its nproc_per_node is a number}} of the node's running
+    job units.
+
+    A job with nproc_per_node "gpu" restarts: its launcher's start_plan then runs one rank per GPU still in
+    service. A fixed count keeps running as before (start_plan holds it at its next start). A GPU released
+    restarts nothing: the job is back at its full size at its next start.
+    """
+    new, minors = newly_quarantined(state), gpu_minors(state)
+    decisions = []
+    for unit, held in sorted(units.items()):
+        taken = [_out_words(uuid, why) for uuid, why in new.items() if minors.get(uuid) in held["minors"]]
+        if not taken:
+            continue
+        words = "; ".join(taken)
+        if held["fixed"]:
+            reason = f"{words}; nproc_per_node is fixed: it keeps running, and is held at its next start"
+            decisions.append({"unit": unit, "action": "keep", "reason": reason})
+        else:
+            reason = f"{words}; nproc_per_node is gpu: it restarts on the GPUs still in service"
+            decisions.append({"unit": unit, "action": "restart", "reason": reason})
+    return decisions

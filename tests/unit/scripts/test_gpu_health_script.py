@@ -306,3 +306,44 @@ def test_a_pass_exports_the_jobs_status_and_drops_the_rate_once_the_unit_stopped
     assert not [key for key in values if key.startswith("budgetgpu_job_steps_per_second")]
     assert values['budgetgpu_job_running{job="demo"}'] == 0
     assert values['budgetgpu_job_last_step{job="demo"}'] == 40
+
+
+def test_root_restarts_a_gpu_job_on_a_gpu_the_pass_took_out_and_names_a_fixed_one(watch, tmp_path, monkeypatch):
+    script, config, inject = watch
+    envs = tmp_path / "jobs"
+    envs.mkdir()
+    (envs / "all.env").write_text('BUDGETGPU_JOB="all"\nBUDGETGPU_NPROC_FIXED="0"\n')
+    (envs / "fixed.env").write_text('BUDGETGPU_JOB="fixed"\nBUDGETGPU_NPROC_FIXED="1"\n')
+    config["jobs_env_dir"] = str(envs)
+
+    def unit(job: str, minors: tuple[int, ...]) -> str:
+        allow = "".join(f"DeviceAllow=/dev/char/195:{minor} rw\n" for minor in (*minors, 255))
+        return f"Id=budgetgpu-job-{job}.service\nActiveState=active\nDevicePolicy=closed\n{allow}"
+
+    shown = {f"budgetgpu-job-{job}.service": unit(job, minors) for job, minors in
+             (("all", (0, 1, 2, 3)), ("fixed", (0, 1, 2, 3)), ("two", (0, 1)))}  # fmt: skip
+    calls = []
+
+    def systemctl(*args):
+        calls.append(args)
+        out = ""
+        if args[0] == "list-units":
+            out = "".join(f"{unit} loaded active running x\n" for unit in [*shown, "budgetgpu-job-start@all.service"])
+        elif args[0] == "show":
+            out = "\n\n".join(shown[unit] for unit in args[2:])
+        return script.subprocess.CompletedProcess(args, 0, out, "")
+
+    monkeypatch.setattr(script, "systemctl", systemctl)
+    script.run_pass(config, "t0")
+    assert script.restart_jobs(config) == [] and calls == []  # nothing new: systemd is not even asked
+    inject(gpu2={"fans": [{"speed": 0, "target": 80}], "temp": 88})
+    script.run_pass(config, "t1")
+    lines = script.restart_jobs(config)
+    assert [call for call in calls if call[0] == "restart"] == [("restart", "--no-block", "budgetgpu-job-all.service")]
+    assert lines[0].startswith(f"take_out: job budgetgpu-job-all.service restarted: {GPUS[2]} quarantined since t1")
+    assert lines[0].endswith("nproc_per_node is gpu: it restarts on the GPUs still in service")
+    assert lines[1].startswith(f"warn: job budgetgpu-job-fixed.service not restarted: {GPUS[2]} quarantined")
+    assert len(lines) == 2  # the job on GPUs 0 and 1 holds nothing taken out
+    script.run_pass(config, "t2")
+    calls.clear()
+    assert script.restart_jobs(config) == [] and calls == []

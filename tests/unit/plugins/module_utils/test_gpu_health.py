@@ -582,3 +582,63 @@ def test_start_plan_holds_a_job_with_no_gpu_left_and_changes_nothing_when_none_i
         "left_out": [],
         "reason": "",
     }
+
+
+# -- a running job when a GPU is taken out ------------------------------------------------------
+
+
+def pass_state(state, sample, now, listed=()):
+    """The state one watch pass writes (the script's run_pass, without its I/O)."""
+    previous = (state or {}).get("previous")
+    findings = gpu_health.pass_findings(sample, previous, {})
+    state, _lines = gpu_health.watch_state(state, findings, now)
+    state.update(previous=gpu_health.next_previous(sample, previous), updated=now)
+    state["quarantine"] = gpu_health.quarantined(state, listed)
+    return state
+
+
+HOT_DEAD_FAN = {"temperature_c": 90, "fans": [{"speed_pct": 0, "target_pct": 80}]}
+# Four job units: "gpu" jobs on every GPU and on GPUs 0-1, fixed ones on every GPU and on GPUs 0-1.
+UNITS = {
+    "budgetgpu-job-all.service": {"minors": {0, 1, 2, 3}, "fixed": False},
+    "budgetgpu-job-fixed4.service": {"minors": {0, 1, 2, 3}, "fixed": True},
+    "budgetgpu-job-fixed2.service": {"minors": {0, 1}, "fixed": True},
+    "budgetgpu-job-low.service": {"minors": {0, 1}, "fixed": False},
+}
+
+
+def test_a_gpu_taken_out_restarts_the_gpu_jobs_that_hold_it_and_keeps_the_fixed_ones():
+    state = pass_state(None, {"gpus": [gpu(i) for i in range(4)]}, "t0", listed=[UUIDS[3]])
+    # The inventory's GPU 3 is nothing new to a running job: its launcher left it out at the start.
+    assert gpu_health.job_restarts(state, UNITS) == []
+    state = pass_state(state, {"gpus": [gpu(0), gpu(1), gpu(2, **HOT_DEAD_FAN), gpu(3)]}, "t1", listed=[UUIDS[3]])
+    decisions = gpu_health.job_restarts(state, UNITS)
+    assert [(d["unit"], d["action"]) for d in decisions] == [
+        ("budgetgpu-job-all.service", "restart"),
+        ("budgetgpu-job-fixed4.service", "keep"),
+    ]
+    assert decisions[0]["reason"].startswith(f"{UUIDS[2]} quarantined since t1 (GPU 2 (")
+    assert "fan 0% (target 80%) at 90 C" in decisions[0]["reason"]
+    assert decisions[0]["reason"].endswith("nproc_per_node is gpu: it restarts on the GPUs still in service")
+    assert decisions[1]["reason"].endswith("nproc_per_node is fixed: it keeps running, and is held at its next start")
+    # The next pass finds the GPU still out: the job restarted once, on the GPUs in service, and stays so.
+    state = pass_state(state, {"gpus": [gpu(0), gpu(1), gpu(2, **HOT_DEAD_FAN), gpu(3)]}, "t2", listed=[UUIDS[3]])
+    assert gpu_health.job_restarts(state, UNITS) == []
+    # A release restarts nothing: the job is back at its full size at its next start.
+    released, _lines = gpu_health.release(state, UUIDS[2], "t3")
+    released = pass_state(released, {"gpus": [gpu(i) for i in range(4)]}, "t3", listed=[UUIDS[3]])
+    assert gpu_health.job_restarts(released, UNITS) == []
+
+
+def test_a_gpu_off_the_bus_is_found_by_its_remembered_minor_while_the_others_are_renumbered():
+    state = pass_state(None, {"gpus": [gpu(i) for i in range(4)]}, "t0")
+    # GPU 1 falls off: NVML numbers the three left 0, 1, 2; the job unit still holds minors 0-3.
+    renumbered = [gpu(0), {**gpu(2), "index": 1}, {**gpu(3), "index": 2}]
+    state = pass_state(state, {"gpus": renumbered}, "t1")
+    assert set(gpu_health.newly_quarantined(state)) == {UUIDS[1]}
+    units = {
+        "budgetgpu-job-a.service": {"minors": {1}, "fixed": False},
+        "budgetgpu-job-b.service": {"minors": {3}, "fixed": False},
+    }
+    assert [d["unit"] for d in gpu_health.job_restarts(state, units)] == ["budgetgpu-job-a.service"]
+    assert gpu_health.job_restarts(None, units) == []
