@@ -450,10 +450,12 @@ def secret_action(inputs: Mapping[str, Any]) -> dict[str, str]:
     """Return {action: keep|install|refuse, reason} for one host's copy of a cluster secret (the munge key,
     slurmdbd's password), by their SHA-256: cluster (the control node's copy), found (the host's, None
     without one), installed (what the role recorded installing there, None where it never did), rotate (the
-    inventory asks to replace it). A copy the role never installed (the package's own random munge key) is
-    replaced; a copy that differs from one the role or someone else put there is refused unless rotate: a
-    second admin, a new laptop or sudo's home would otherwise push a new secret mid-run. inputs also: host,
-    what, path, source (the control node's file), variable (the rotation's variable)."""
+    inventory asks to replace it), package_new (the package that made the host's copy was installed in this
+    run: its copy is the package's own random one). A copy the package made in this run is replaced; any other
+    copy that differs from the cluster's is refused unless rotate, whether the role recorded installing it or not
+    (a node provisioned before the record existed holds the cluster's key of that time): a second admin, a new
+    laptop or sudo's home would otherwise push a new secret mid-run. inputs also: host, what, path, source (the
+    control node's file), variable (the rotation's variable)."""
     cluster, found, installed = inputs.get("cluster"), inputs.get("found"), inputs.get("installed")
     host, what, path = inputs.get("host"), inputs.get("what"), inputs.get("path")
     if not cluster:
@@ -462,17 +464,22 @@ def secret_action(inputs: Mapping[str, Any]) -> dict[str, str]:
         return {"action": "keep", "reason": f"{path} holds the cluster's {what}"}
     if not found:
         return {"action": "install", "reason": f"{path} has no {what} yet"}
-    if not installed:
-        return {"action": "install", "reason": f"{path} holds a {what} the role never installed (the package's own)"}
+    if not installed and inputs.get("package_new"):
+        return {"action": "install", "reason": f"{path} holds the {what} its package made in this run"}
     if inputs.get("rotate"):
         return {"action": "install", "reason": f"{inputs.get('variable')} asks to replace {path}"}
+    whose = (
+        "one the role installed"
+        if installed
+        else "one the role has no record of installing (a node provisioned before the record, or someone's)"
+    )
     return {
         "action": "refuse",
         "reason": (
             f"{host}: {path} holds another {what} than the control node's {inputs.get('source')}, expected the same: "
-            f"the control node's copy is not this cluster's (another admin's, another home's: point "
-            f"budgetgpu_state_dir at the cluster's, or remove it to take the controller's), or set "
-            f"{inputs.get('variable')}=true to replace the {what} on every host with the control node's. "
-            "Nothing changed"
+            f"SHA-256 {found} on {host} ({whose}), {cluster} on the control node. The control node's copy is not "
+            "this cluster's (another admin's, another home's: point budgetgpu_state_dir at the cluster's, or remove "
+            f"it to take the controller's), or set {inputs.get('variable')}=true to replace the {what} on every host "
+            "with the control node's. Nothing changed"
         ),
     }

@@ -190,6 +190,31 @@ def test_a_differing_munge_key_on_a_node_is_refused_and_nothing_changes(playbook
         node.check_output(f"cp -p /root/munge.key.kept {key} && rm /root/munge.key.kept")
 
 
+def test_a_differing_munge_key_without_the_roles_record_is_refused_too(playbook) -> None:
+    """The first run after an upgrade: a node provisioned before the role recorded its key's SHA-256 holds a key
+    other than the control node's. Not munge's package's own (that package was there before this run): refused,
+    naming the host, the file and both digests, with key and record as they were."""
+    node = host("slurm-node2")
+    key, mark = "/etc/munge/munge.key", "/etc/budgetgpu/slurm-munge-key.sha256"
+    node.check_output(
+        f"cp -p {key} /root/munge.key.kept && mv {mark} /root/munge.mark.kept && head -c 1024 /dev/urandom > {key}"
+    )
+    try:
+        other = node.check_output(f"sha256sum {key}").split()[0]
+        cluster = subprocess.run(
+            ["sha256sum", str(STATE / "slurm" / "munge.key")], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
+        done = playbook("slurm.yml", "--tags", "slurm_install", "--limit", "localhost,slurm-node2")
+        assert done.returncode != 0
+        said = f"slurm-node2: {key} holds another munge key than the control node's"
+        assert said in done.stdout and "slurm_munge_key_rotate=true" in done.stdout, done.stdout[-3000:]
+        assert f"SHA-256 {other} on slurm-node2" in done.stdout and f"{cluster} on the control node" in done.stdout
+        assert node.check_output(f"sha256sum {key}").split()[0] == other
+        assert not node.file(mark).exists
+    finally:
+        node.check_output(f"mv /root/munge.key.kept {key} && mv /root/munge.mark.kept {mark}")
+
+
 def test_one_munge_key_everywhere() -> None:
     sums = set()
     for name in (CONTROLLER, *NODES):

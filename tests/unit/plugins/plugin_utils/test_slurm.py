@@ -337,24 +337,33 @@ MUNGE = {"host": "node2", "what": "munge key", "path": "/etc/munge/munge.key", "
 
 
 @pytest.mark.parametrize(
-    ("found", "installed", "rotate", "action"),
+    ("found", "installed", "package_new", "rotate", "action"),
     [
-        ("c" * 64, "c" * 64, False, "keep"),
-        ("", "", False, "install"),  # no key yet
-        ("d" * 64, "", False, "install"),  # the package's own random key: never a cluster's
-        ("d" * 64, "d" * 64, False, "refuse"),  # the key the role installed, another than the control node's
-        ("e" * 64, "d" * 64, False, "refuse"),  # changed by someone since
-        ("d" * 64, "d" * 64, True, "install"),  # a rotation asked for
+        ("c" * 64, "c" * 64, False, False, "keep"),
+        ("", "", True, False, "install"),  # no key yet
+        ("d" * 64, "", True, False, "install"),  # the package's own random key, made in this run: never a cluster's
+        ("d" * 64, "d" * 64, False, False, "refuse"),  # the key the role installed, another than the control node's
+        ("e" * 64, "d" * 64, False, False, "refuse"),  # changed by someone since
+        ("d" * 64, "d" * 64, False, True, "install"),  # a rotation asked for
+        # A node provisioned before the role recorded its key (the first run after an upgrade): not the package's.
+        ("d" * 64, "", False, False, "refuse"),
+        ("d" * 64, "", False, True, "install"),
     ],
 )
-def test_a_cluster_secret_that_differs_is_refused_unless_a_rotation_is_asked(found, installed, rotate, action):
-    assert slurm.secret_action({**MUNGE, "found": found, "installed": installed, "rotate": rotate})["action"] == action
+def test_a_cluster_secret_that_differs_is_refused_unless_a_rotation_is_asked(
+    found, installed, package_new, rotate, action
+):
+    inputs = {**MUNGE, "found": found, "installed": installed, "package_new": package_new, "rotate": rotate}
+    assert slurm.secret_action(inputs)["action"] == action
 
 
-def test_the_refusal_names_host_file_and_variable_and_no_control_copy_is_an_error():
+def test_the_refusal_names_host_file_both_digests_and_variable_and_no_control_copy_is_an_error():
     said = slurm.secret_action({**MUNGE, "found": "d" * 64, "installed": "d" * 64})["reason"]
     assert said.startswith("node2: /etc/munge/munge.key holds another munge key than the control node's /home/a/")
     assert "slurm_munge_key_rotate=true" in said and said.endswith("Nothing changed")
+    assert f"SHA-256 {'d' * 64} on node2 (one the role installed), {'c' * 64} on the control node" in said
+    unrecorded = slurm.secret_action({**MUNGE, "found": "d" * 64, "installed": ""})["reason"]
+    assert f"SHA-256 {'d' * 64} on node2 (one the role has no record of installing (a node provisioned" in unrecorded
     with pytest.raises(ValueError, match="node2: found no munge key on the control node"):
         slurm.secret_action({**MUNGE, "cluster": ""})
 
