@@ -18,12 +18,16 @@ node, bf16 below compute capability 8.0 or on gloo, fp16 under sharding). A trai
                 wrapped.backward(loss_fn(wrapped.module(inputs), labels) / wrapped.timer.accumulate_steps)
         wrapped.step(optimizer, clip=1.0)
 
+A job restarted on fewer ranks than it plans (a GPU out of service: the launcher left it out) keeps its global
+batch: wrap_model raises accumulate_steps by planned/world where that divides, and says so in world_change.
+
 Everything torch is imported where it is used: the settings are plain Python.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +41,10 @@ PARALLELISMS = ("ddp", "fsdp", "hsdp")
 SHARDED = ("fsdp", "hsdp")
 PRECISIONS = ("none", "bf16", "fp16")
 STATE_PRECISIONS = ("fp32", "bf16")
+# Set by a node's launcher (roles/torchrun/files/budgetgpu-torchrun) when it starts the job: the ranks the unit
+# asked of this node before quarantined GPUs were left out, and the launcher's words on what it left out.
+PLANNED_LOCAL_ENV = "BUDGETGPU_PLANNED_LOCAL_WORLD_SIZE"
+LEFT_OUT_ENV = "BUDGETGPU_LEFT_OUT"
 
 
 def _flag(value: str | None) -> bool:
@@ -160,6 +168,8 @@ class Wrapped:
     settings: ShardSettings
     mesh: Any = None
     scaler: Any = None  # fp16 under DDP: the loss scaler
+    # Fewer ranks than the job plans (keep_global_batch): {planned_world, world_change}, for the job's status.
+    world_change: dict[str, Any] = field(default_factory=dict)
     _sync: Any = field(default=None, repr=False)
 
     @property
@@ -191,6 +201,40 @@ class Wrapped:
                 optimizer.step()
 
 
+def planned_world_size(device: Any) -> int:
+    """The job's world size with every GPU in service: the sum over its nodes of the ranks each node's unit asked
+    for (PLANNED_LOCAL_ENV; a node started without it runs what was asked, LOCAL_WORLD_SIZE). A collective."""
+    import torch
+    import torch.distributed as dist
+
+    local = os.environ.get(PLANNED_LOCAL_ENV) or os.environ.get("LOCAL_WORLD_SIZE", "1")
+    total = torch.tensor([int(local) if _local_rank() == 0 else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def keep_global_batch(
+    comm: CommSettings, planned: int, world: int, left_out: str = ""
+) -> tuple[CommSettings, dict[str, Any]]:
+    """Return (the communication settings a run at `world` ranks trains with, its status fields) for a job planned
+    at `planned` ranks (a GPU out of service: the launcher started fewer). Where world divides planned, gradient
+    accumulation rises by planned/world and the global batch stays; else it stays, and the status says the global
+    batch changed. At full size: the settings as they are and no field."""
+    if world >= planned:
+        return comm, {}
+    accumulate = comm.accumulate_steps
+    why = f"{world} of the {planned} ranks planned: {left_out or 'GPUs out of service on another node'}"
+    if planned % world == 0:
+        comm = dataclasses.replace(comm, accumulate_steps=accumulate * planned // world)
+        why += f"; accumulate_steps {accumulate} -> {comm.accumulate_steps} keeps the global batch"
+    else:
+        why += (
+            f"; the global batch changed from {planned * accumulate} to {world * accumulate} micro-batches"
+            f" ({planned} ranks do not divide by {world})"
+        )
+    return comm, {"planned_world": planned, "world_change": why}
+
+
 def wrap_model(
     model: Any,
     device: Any = None,
@@ -202,13 +246,18 @@ def wrap_model(
     """Spread model as the job says (settings default to the unit's environment): DDP with the job's
     communication settings and step timer (straggler.wrap_ddp), or fully_shard on each block and then the
     root over the job's mesh, with MixedPrecisionPolicy (parameters gathered in the compute precision,
-    gradients reduced in fp32). The model is moved to device, and to bf16 first with state_precision bf16."""
+    gradients reduced in fp32). The model is moved to device, and to bf16 first with state_precision bf16.
+    A job restarted on fewer ranks than it plans keeps its global batch where it can (keep_global_batch)."""
     import torch
     import torch.distributed as dist
 
     settings = settings or ShardSettings.from_env()
     comm = comm or CommSettings.from_env()
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    change: dict[str, Any] = {}
+    if dist.is_initialized():
+        planned, left_out = planned_world_size(device), os.environ.get(LEFT_OUT_ENV, "")
+        comm, change = keep_global_batch(comm, planned, dist.get_world_size(), left_out)
     blocks = blocks_of(model) if blocks is None else blocks
     if settings.activation_checkpointing:
         blocks = _checkpoint_blocks(model, blocks)
@@ -218,7 +267,7 @@ def wrap_model(
         ddp, timer = wrap_ddp(model, device, comm, timer=timer)
         scaler = torch.amp.GradScaler(device.type) if settings.mixed_precision == "fp16" else None
         forward = _Autocast(ddp, device.type, compute) if compute is not None else ddp
-        return Wrapped(ddp, forward, timer, settings, scaler=scaler, _sync=ddp)
+        return Wrapped(ddp, forward, timer, settings, scaler=scaler, world_change=change, _sync=ddp)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = device_mesh(settings, device)
@@ -230,7 +279,7 @@ def wrap_model(
         rank, world = dist.get_rank(), dist.get_world_size()
         timer = StepTimer(rank, world, device, every_steps_from_env())
     timer.accumulate_steps = comm.accumulate_steps
-    return Wrapped(model, model, timer, settings, mesh=mesh, _sync=_GradientSync(model))
+    return Wrapped(model, model, timer, settings, mesh=mesh, world_change=change, _sync=_GradientSync(model))
 
 
 def local_shard_numel(module: Any) -> int:

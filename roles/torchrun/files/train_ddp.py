@@ -44,6 +44,12 @@ gradients and its optimizer state, and every rank writes its shards of each chec
 (step-<step>.dcp, a directory: torch.distributed.checkpoint), which the ranks load again at whatever world size
 the job restarts with (fsdp over several nodes: on the same layout, or from a directory every node shares);
 hsdp keeps a whole checkpoint on each node. At start the ranks take the newest step every node holds.
+
+A job restarted on fewer ranks than it plans (the health watch took a GPU out, and the launcher started one rank
+per GPU still in service) resumes from its newest checkpoint as any restart does, keeps its global batch by
+raising accumulate_steps where the new world size divides the planned one (budgetgpu_node.sharding's
+keep_global_batch: the launcher's BUDGETGPU_PLANNED_LOCAL_WORLD_SIZE is what each node planned), and says so in
+its log (`world changed: ...`) and status (world, planned_world, world_change).
 """
 
 from __future__ import annotations
@@ -499,6 +505,18 @@ def prepare(args: argparse.Namespace, ctx: Dist) -> tuple[Wrapped, torch.optim.O
     return wrapped, optimizer, step
 
 
+def log_start(args: argparse.Namespace, ctx: Dist, wrapped: Wrapped) -> None:
+    """Rank 0's first lines: what the run trains with, and why it runs fewer ranks than the job plans."""
+    shard = args.shard
+    log(
+        f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps} "
+        f"parallelism={shard.parallelism} mixed_precision={shard.mixed_precision} "
+        f"params_local={local_shard_numel(wrapped.module)}"
+    )
+    if wrapped.world_change:
+        log(f"world changed: {wrapped.world_change['world_change']}")
+
+
 def train(args: argparse.Namespace) -> int:
     ctx = setup(args.backend)
     stop = StopRequest()
@@ -510,8 +528,9 @@ def train(args: argparse.Namespace) -> int:
     # DDP: one writer per node, every node keeps its own copy; fsdp/hsdp: every rank writes its shards.
     writer = sharded or ctx.local_rank == 0
     policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
-    progress = Progress(ctx, step, time.monotonic(), args.status_file, settings=settings_status(args, ctx))
-    data = iter(batches(args, ctx.rank, step, args.comm.accumulate_steps))
+    progress = Progress(ctx, step, time.monotonic(), args.status_file, settings=settings_status(args, ctx, wrapped))
+    # The job's accumulate_steps, raised where it restarted on fewer ranks than it plans (wrap_model).
+    data = iter(batches(args, ctx.rank, step, timer.accumulate_steps))
 
     def checkpoint(reason: str = "") -> None:
         if sharded:
@@ -524,12 +543,7 @@ def train(args: argparse.Namespace) -> int:
         log(f"checkpoint step={step} path={path}{reason}")
 
     if ctx.rank == 0:
-        shard = args.shard
-        log(
-            f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps} "
-            f"parallelism={shard.parallelism} mixed_precision={shard.mixed_precision} "
-            f"params_local={local_shard_numel(wrapped.module)}"
-        )
+        log_start(args, ctx, wrapped)
     while step < args.max_steps and not stop.agreed(ctx, step, policy.due(step, time.monotonic())):
         loss = train_step(wrapped, optimizer, data, ctx, args.clip)
         step += 1
@@ -555,8 +569,9 @@ def train(args: argparse.Namespace) -> int:
     return leave(ctx, stop, step)
 
 
-def settings_status(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
-    """What the job runs, for its status: the backend and the communication settings."""
+def settings_status(args: argparse.Namespace, ctx: Dist, wrapped: Wrapped) -> dict[str, Any]:
+    """What the job runs, for its status: the backend, the communication settings and, on fewer ranks than the
+    job plans, the world it planned and why it runs fewer (planned_world, world_change)."""
     backend = str(dist.get_backend()) if ctx.enabled else "none"
     comm = args.comm
     return {
@@ -565,7 +580,8 @@ def settings_status(args: argparse.Namespace, ctx: Dist) -> dict[str, Any]:
         "mixed_precision": args.shard.mixed_precision,
         "gradient_compression": comm.gradient_compression,
         "bucket_cap_mb": comm.bucket_cap_mb,
-        "accumulate_steps": comm.accumulate_steps,
+        "accumulate_steps": wrapped.timer.accumulate_steps,
+        **wrapped.world_change,
     }
 
 

@@ -2,7 +2,8 @@
 parameters; a sharded checkpoint saved by 4 ranks loads into 3 with the same weights; the example
 trainer under fsdp learns the same losses as under ddp for the same seed and batches; hsdp over two torchrun
 agents (two "nodes" of two ranks) keeps a whole checkpoint on each node and resumes; a rank killed with
-SIGKILL costs the job a restart from its last sharded checkpoint, not step 0."""
+SIGKILL costs the job a restart from its last sharded checkpoint, not step 0; a job restarted on fewer GPUs than it
+plans (a GPU taken out, issue 42 item 5) resumes there too, keeps its global batch where it can and says why."""
 
 from __future__ import annotations
 
@@ -149,3 +150,45 @@ def test_a_rank_killed_costs_a_restart_from_the_last_sharded_checkpoint(tmp_path
     resumed = int(re.search(r"resumed from step (\d+) \(sharded checkpoint", log)[1])
     assert resumed >= 15 and resumed % 5 == 0, log[-3000:]
     assert "finished at step 60" in log
+
+
+def test_fewer_ranks_than_planned_keep_the_global_batch_where_the_world_divides():
+    comm = sharding.CommSettings(accumulate_steps=2)
+    assert sharding.keep_global_batch(comm, 4, 4) == (comm, {})
+    halved, change = sharding.keep_global_batch(comm, 4, 2, "node1: 2 of 4 GPUs: left out ...")
+    assert halved.accumulate_steps == 4 and halved.bucket_cap_mb == comm.bucket_cap_mb
+    assert change == {
+        "planned_world": 4,
+        "world_change": "2 of the 4 ranks planned: node1: 2 of 4 GPUs: left out ...; accumulate_steps 2 -> 4 keeps "
+        "the global batch",
+    }
+    kept, change = sharding.keep_global_batch(comm, 4, 3)
+    assert kept == comm and change["world_change"] == (
+        "3 of the 4 ranks planned: GPUs out of service on another node; the global batch changed from 8 to 6 "
+        "micro-batches (4 ranks do not divide by 3)"
+    )
+
+
+def test_a_job_restarted_on_fewer_gpus_resumes_from_its_sharded_checkpoint_and_says_why(tmp_path):
+    """What the launcher does when the health watch took one of the node's 4 GPUs out: it starts 3 ranks and tells
+    them the node planned 4 (budgetgpu-torchrun)."""
+    status = tmp_path / "status.json"
+    argv = [str(TRAINER), "--log-every", "1", "--layers", "2", "--data-workers", "0", "--checkpoint-every-steps", "4",
+            "--checkpoint-every-minutes", "0", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--status-file", str(status)]  # fmt: skip
+    torchrun(4, *argv, "--max-steps", "8", BUDGETGPU_PARALLELISM="fsdp")
+    full = json.loads(status.read_text())
+    assert full["world"] == 4 and "planned_world" not in full and "world_change" not in full
+    left_out = "node1: 3 of 4 GPUs: left out GPU-2 quarantined since t1 (fan 0%)"
+    planned = {"BUDGETGPU_PLANNED_LOCAL_WORLD_SIZE": "4", "BUDGETGPU_LEFT_OUT": left_out}
+    three = torchrun(3, *argv, "--max-steps", "12", BUDGETGPU_PARALLELISM="fsdp", **planned)
+    assert "resumed from step 8 (sharded checkpoint" in three and min(losses(three)) == 9
+    why = f"3 of the 4 ranks planned: {left_out}; the global batch changed from 4 to 3 micro-batches"
+    assert f"world changed: {why}" in three
+    found = json.loads(status.read_text())
+    assert (found["step"], found["world"], found["planned_world"], found["accumulate_steps"]) == (12, 3, 4, 1)
+    assert found["world_change"].startswith(why)
+    # Two of the four: twice the micro-batches, the same global batch.
+    two = torchrun(2, *argv, "--max-steps", "14", BUDGETGPU_PARALLELISM="fsdp", **planned)
+    assert "resumed from step 12 (sharded checkpoint" in two and "accumulate_steps 1 -> 2 keeps the global batch" in two
+    assert json.loads(status.read_text())["accumulate_steps"] == 2

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.module_utils import pcie
+from ansible_collections.budgetgpu.cluster.plugins.module_utils import pcie, sharding
 
 REPO = Path(__file__).resolve().parents[3]
 GPUS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(4)]
@@ -185,6 +185,11 @@ def test_the_launcher_leaves_a_quarantined_gpu_out(tmp_path, capsys):
     assert argv == ["--max-restarts=3", "--nproc-per-node=3", "train.py"]
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join([GPUS[0], GPUS[1], GPUS[3]])
     assert f"3 of 4 GPUs: left out {GPUS[2]} quarantined since t1 (GPU 2: fan 0%)" in capsys.readouterr().out
+    # The ranks learn what the node planned and what was left out: they keep the global batch (sharding).
+    assert env[sharding.PLANNED_LOCAL_ENV] == "4"
+    assert env[sharding.LEFT_OUT_ENV].endswith(
+        f": 3 of 4 GPUs: left out {GPUS[2]} quarantined since t1 (GPU 2: fan 0%)"
+    )
 
 
 def test_the_launcher_holds_a_fixed_size_job_that_needs_the_gpu(tmp_path, capsys):
@@ -197,6 +202,7 @@ def test_the_launcher_holds_a_fixed_size_job_that_needs_the_gpu(tmp_path, capsys
 def test_the_launcher_without_a_watch_starts_as_before(tmp_path):
     argv, env = launcher_argv({}, tmp_path, 4, fixed=False)
     assert argv[1] == "--nproc-per-node=4" and "CUDA_VISIBLE_DEVICES" not in env
+    assert env[sharding.PLANNED_LOCAL_ENV] == "4" and sharding.LEFT_OUT_ENV not in env
 
 
 def test_check_tells_an_inference_worker_whether_its_gpu_is_in_service(watch):
