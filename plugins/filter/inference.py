@@ -31,6 +31,7 @@ class FilterModule:
             "inference_plan": as_filter(plan.inference_plan),
             "inference_gateway_host": as_filter(placement.inference_gateway_host),
             "inference_check": as_filter(checks.inference_check),
+            "inference_memory_split": as_filter(checks.inference_memory_split),
             "inference_worker_command": as_filter(engines.inference_worker_command),
             "inference_gateway_allow": as_filter(gateway.inference_gateway_allow),
             "inference_firewall_ports": as_filter(gateway.inference_firewall_ports),

@@ -738,6 +738,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_plan",
         "inference_gateway_host",
         "inference_check",
+        "inference_memory_split",
         "inference_worker_command",
         "inference_gateway_allow",
         "inference_firewall_ports",
@@ -1208,3 +1209,264 @@ def test_the_plan_gives_the_gateway_its_upstreams_address_rates_and_limits_and_a
     # Without a cluster address the gateway is reached at its ansible_host (nodes.node_address).
     del hv["node1"]["ansible_facts"]["budgetgpu_net"]
     assert inference_plan(item, hv, "node2", HOSTS, [], keys)["gateway_address"] == "host-10.0.0.11"
+
+
+# --- llama.cpp: a worker over several nodes (RPC), layers and their KV cache on each GPU -------------
+
+# The guide's 70B (Llama-2/3 70B's GGUF metadata: block_count 80, head_count_kv 8, 8192 / 64 heads) in
+# Q4_K_M, 39.6 GiB, for 8 concurrent requests of 4096 tokens each (3584 in, 512 out): llama-server's
+# -c 32768. Its KV cache: 2 x 8 x 128 x 2 B x 32768 tokens = 128 MiB a layer, 10 GiB in all.
+SHAPE_70B = {"layers": 80, "kv_heads": 8, "head_dim": 128}
+GGUF_70B = {"exists": True, "isreg": True, "size": int(39.6 * 2**30)}
+KV_70B = "KV cache {} layers x 128 MiB (2 x 8 KV heads x 128 x 2 B x 32768 tokens)"
+
+
+def guide_70b(**keys) -> dict:
+    guide = {"model_shape": SHAPE_70B, "concurrency": 8, "max_input_tokens": 3584, "max_new_tokens": 512}
+    return llama(model="/srv/models/llama-3-70b-instruct-q4_k_m.gguf", **{**guide, **keys})
+
+
+def rig(nodes: int, gpus: int) -> dict:
+    """nodes x gpus RTX 3090s (24 GiB), node1 first."""
+    return {f"node{i + 1}": node(f"10.0.0.{11 + i}", gpus) for i in range(nodes)}
+
+
+def guide_check(hv: dict, **keys) -> tuple[list[str], list[str]]:
+    """(preflight's problems, what each GPU holds) of the guide's 70B on hv."""
+    items, configs = services(guide_70b(**keys)), {"chat": GGUF_70B}
+    problems = checks.inference_check(
+        items, hv, list(hv), [], configs, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
+    )
+    split = checks.inference_memory_split(items, hv, list(hv), [], configs)
+    print("\n".join(split))  # pytest -s shows the split
+    return problems, split
+
+
+def held(host: str, gpu_index: int, text: str, gib: str) -> str:
+    return f"{host} GPU {gpu_index} ({RTX}, 24576 MiB): service chat: {gib} ({text}) of 24.0 GiB"
+
+
+def test_the_guides_70b_for_8_slots_fits_on_4_nodes_with_one_3090_each():
+    problems, split = guide_check(rig(4, 1), nodes_per_worker=4)
+    assert problems == []
+    # llama.cpp puts the RPC servers' GPUs first (node2, node3, node4), then the head's: 81 layers (80 and
+    # the output) by the split 1:1:1:1, each layer with its KV cache.
+    weights = "on device {} of 4 of worker node1@0 (tensor split 1:1:1:1): GGUF 39.6 GiB x {}/81 layers = {} + "
+    assert split == [
+        held(
+            "node1", 0, "layers 61-79 of 80 + the output layer " + weights.format(3, 20, "9.8 GiB")
+            + KV_70B.format(19) + " = 2.4 GiB + 500 MiB CUDA context", "12.6 GiB",
+        ),
+        held(
+            "node2", 0, "layers 0-20 of 80 " + weights.format(0, 21, "10.3 GiB") + KV_70B.format(21)
+            + " = 2.6 GiB + 500 MiB CUDA context", "13.4 GiB",
+        ),
+        held(
+            "node3", 0, "layers 21-40 of 80 " + weights.format(1, 20, "9.8 GiB") + KV_70B.format(20)
+            + " = 2.5 GiB + 500 MiB CUDA context", "12.8 GiB",
+        ),
+        held(
+            "node4", 0, "layers 41-60 of 80 " + weights.format(2, 20, "9.8 GiB") + KV_70B.format(20)
+            + " = 2.5 GiB + 500 MiB CUDA context", "12.8 GiB",
+        ),
+    ]  # fmt: skip
+
+
+def summary(line: str) -> str:
+    """A line of inference_memory_split up to its figure and where the GPU's layers are."""
+    return line[: line.index(": GGUF")]
+
+
+def test_the_guides_70b_for_8_slots_fits_on_2_nodes_with_two_3090s_each():
+    problems, split = guide_check(rig(2, 2), nodes_per_worker=2, gpus_per_worker=2)
+    assert problems == []
+    worker = "of 4 of worker node1@0 (tensor split 1:1:1:1)"
+    assert [summary(line) for line in split] == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: 12.8 GiB (layers 41-60 of 80 on device 2 {worker}",
+        f"node1 GPU 1 ({RTX}, 24576 MiB): service chat: 12.6 GiB (layers 61-79 of 80 + the output layer on device 3 "
+        f"{worker}",
+        f"node2 GPU 0 ({RTX}, 24576 MiB): service chat: 13.4 GiB (layers 0-20 of 80 on device 0 {worker}",
+        f"node2 GPU 1 ({RTX}, 24576 MiB): service chat: 12.8 GiB (layers 21-40 of 80 on device 1 {worker}",
+    ]
+
+
+def test_the_guides_70b_for_8_slots_is_refused_on_2_nodes_with_one_3090_each():
+    problems, _split = guide_check(rig(2, 1), nodes_per_worker=2)
+    hint = (
+        "(or more nodes_per_worker or gpus_per_worker, a tensor_split that gives this GPU less, fewer slots "
+        "(concurrency) or a shorter max_input_tokens + max_new_tokens)"
+    )
+    # The weights alone would fit (20.0 GiB + 500 MiB on node2): the KV cache of its 41 layers does not.
+    assert problems == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 24.9 GiB (layers 41-79 of 80 + the output "
+        "layer on device 1 of 2 of worker node1@0 (tensor split 1:1): GGUF 39.6 GiB x 40/81 layers = 19.6 GiB + "
+        f"{KV_70B.format(39)} = 4.9 GiB + 500 MiB CUDA context); expected at most 24.0 GiB {hint}",
+        f"node2 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 25.7 GiB (layers 0-40 of 80 on device 0 of 2 "
+        "of worker node1@0 (tensor split 1:1): GGUF 39.6 GiB x 41/81 layers = 20.0 GiB + "
+        f"{KV_70B.format(41)} = 5.1 GiB + 500 MiB CUDA context); expected at most 24.0 GiB {hint}",
+    ]
+    # Fewer slots fit: 4 of 4096 tokens hold half the KV cache.
+    assert guide_check(rig(2, 1), nodes_per_worker=2, concurrency=4)[0] == []
+
+
+def test_the_single_node_llamacpp_check_counts_the_kv_cache():
+    # A 20 GiB GGUF fits a 3090 by its weights; with 8 slots of 4096 tokens of the 70B's KV cache it does not.
+    configs = {"chat": {**GGUF_70B, "size": 20 * 2**30}}
+    hv = rig(1, 1)
+    items = services(guide_70b())
+    problems = checks.inference_check(
+        items, hv, ["node1"], [], configs, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
+    )
+    assert problems == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: memory: needs 30.5 GiB (layers 0-79 of 80 + the output layer "
+        "on device 0 of 1 of worker node1@0 (tensor split 1): GGUF 20.0 GiB x 81/81 layers = 20.0 GiB + "
+        f"{KV_70B.format(80)} = 10.0 GiB + 500 MiB CUDA context); expected at most 24.0 GiB (or more "
+        "nodes_per_worker or gpus_per_worker, a tensor_split that gives this GPU less, fewer slots (concurrency) or "
+        "a shorter max_input_tokens + max_new_tokens)"
+    ]
+    # One slot of 4096 tokens (1.25 GiB) fits; without model_shape the check says what it could not count.
+    assert (
+        checks.inference_check(
+            services(guide_70b(concurrency=1)),
+            hv,
+            ["node1"],
+            [],
+            configs,
+            api_keys={"ci": KEY},
+            cluster_subnet="10.0.0.0/24",
+        )
+        == []
+    )
+    unshaped = services(llama(concurrency=8, max_input_tokens=3584, max_new_tokens=512))
+    assert checks.inference_memory_split(unshaped, hv, ["node1"], [], configs) == [
+        f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: 20.5 GiB (device 0 of 1 of worker node1@0 (tensor split 1): "
+        "GGUF 20.0 GiB x 1/1 = 20.0 GiB + 500 MiB CUDA context; KV cache not counted: the service gives no "
+        "model_shape) of 24.0 GiB"
+    ]
+
+
+def test_llamacpp_assigns_layers_as_llama_cpp_does():
+    # Layer il of 81 (the 80 and the output) goes to the first device whose cumulative share exceeds il / 81.
+    assert [len(layers) for layers in memory.llamacpp_layers([1, 1, 1, 1], 80)] == [21, 20, 20, 20]
+    assert memory.llamacpp_layers([1, 1], 80)[1][-1] == 80  # the output layer on the last device, the head's
+    assert [len(layers) for layers in memory.llamacpp_layers([3, 1], 80)] == [61, 20]
+    assert memory.llamacpp_layers([0, 1], 2) == [[], [0, 1, 2]]
+
+
+def test_a_worker_is_split_by_the_gpus_memory_or_the_services_tensor_split():
+    # A 3090 and a 3060 (12 GiB) in one node: llama.cpp's default split follows memory, 2:1; the rendered
+    # --tensor-split and the check say the same.
+    hv = rig(1, 2)
+    hv["node1"]["ansible_facts"]["budgetgpu_gpus"]["gpus"][1].update(
+        name="NVIDIA GeForce RTX 3060", memory_total_mib=12288
+    )
+    item = services(guide_70b(gpus_per_worker=2))[0]
+    worker_ = placement.inference_workers(item, hv, "node1", [], ["node1"])[0]
+    assert (worker_["tensor_split"], worker_["rpc_servers"]) == ([2, 1], [])
+    argv = engines.inference_worker_command(item, worker_, None, None, "/opt/llama-server")
+    assert argv[argv.index("--tensor-split") + 1] == "2,1"
+    assert [summary(line).split("(")[2] for line in guide_check(hv, gpus_per_worker=2)[1]] == [
+        "layers 0-53 of 80 on device 0 of 2 of worker node1@0 ",
+        "layers 54-79 of 80 + the output layer on device 1 of 2 of worker node1@0 ",
+    ]
+    # The service's own split wins, in the check and in the argv.
+    item = services(guide_70b(gpus_per_worker=2, tensor_split=[3, 1]))[0]
+    worker_ = placement.inference_workers(item, hv, "node1", [], ["node1"])[0]
+    argv = engines.inference_worker_command(item, worker_, None, None, "/opt/llama-server")
+    assert argv[argv.index("--tensor-split") + 1] == "3,1"
+    assert "tensor split 3:1" in guide_check(hv, gpus_per_worker=2, tensor_split=[3, 1])[1][0]
+
+
+def test_the_plan_names_each_workers_head_and_its_rpc_nodes_with_their_gpus():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+
+    hv = rig(2, 4)
+    item = services(guide_70b(nodes_per_worker=2, gpus_per_worker=2))[0]
+    head = inference_plan(item, hv, "node1", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
+    uuid = "GPU-3090000{0}-5a1e-4c0d-9b7e-00000000000{0}".format
+    # Worker k takes the k-th pair of GPUs of each node; its RPC server on node2 listens on port + k.
+    assert [(w["host"], w["slot"], w["port"], w["gpu_indices"], w["tensor_split"]) for w in head["workers"]] == [
+        ("node1", 0, 8100, [0, 1], [1, 1, 1, 1]),
+        ("node1", 1, 8101, [2, 3], [1, 1, 1, 1]),
+    ]
+    assert [w["rpc_servers"] for w in head["workers"]] == [
+        [{"host": "node2", "slot": slot, "address": "10.0.0.12", "port": 8100 + slot,
+          "gpu_indices": [2 * slot, 2 * slot + 1], "gpu_uuids": [uuid(2 * slot), uuid(2 * slot + 1)]}]
+        for slot in (0, 1)
+    ]  # fmt: skip
+    # Only the heads serve: the gateway's upstreams are theirs.
+    assert head["upstreams"] == ["10.0.0.11:8100", "10.0.0.11:8101"]
+    rpc = inference_plan(item, hv, "node2", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
+    assert rpc["workers"] == []
+    assert rpc["rpc_servers"] == [
+        {**server, "service": "chat", "head": "node1", "head_address": "10.0.0.11"}
+        for worker_ in head["workers"]
+        for server in worker_["rpc_servers"]
+    ]
+    # A worker of one node has no RPC servers, and node1 runs none.
+    assert head["rpc_servers"] == []
+    single = inference_plan(services(guide_70b(gpus_per_worker=4))[0], hv, "node2", list(hv), [], {"ci": KEY})
+    assert [(w["host"], w["rpc_servers"], w["tensor_split"]) for w in single["workers"]] == [
+        ("node2", [], [1, 1, 1, 1])
+    ]
+
+
+def test_a_head_without_its_rpc_servers_is_not_rendered():
+    hv = rig(2, 1)
+    item = services(guide_70b(nodes_per_worker=2))[0]
+    worker_ = placement.inference_workers(item, hv, "node1", [], list(hv))[0]
+    with pytest.raises(ValueError, match="nodes_per_worker: found 2, expected 1: the RPC servers of a worker over"):
+        engines.inference_worker_command(item, worker_, None, None, "/opt/llama-server")
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        (chat(nodes_per_worker=2), "nodes_per_worker: found 2 with engine builtin, expected 1: only engine llamacpp"),
+        (llama(nodes_per_worker=0), "nodes_per_worker: found 0, expected a whole number of 1 or more"),
+        (llama(nodes_per_worker=2), "model_shape: found none with nodes_per_worker 2, expected {layers, kv_heads, "),
+        (guide_70b(model_shape={"layers": 80, "kv_heads": 8}), "model_shape: found {'layers': 80, 'kv_heads': 8}, "),
+        (guide_70b(model_shape={**SHAPE_70B, "head_dim": 0}), "expected {layers, kv_heads, head_dim} of the GGUF"),
+        (chat(model_shape=SHAPE_70B), "model_shape: found {'layers': 80, 'kv_heads': 8, 'head_dim': 128} with engine"),
+        (chat(tensor_split=[1, 1]), "tensor_split: found [1, 1] with engine builtin, expected none"),
+        (
+            guide_70b(nodes_per_worker=2, gpus_per_worker=2, tensor_split=[1, 1, 1]),
+            "tensor_split: found [1, 1, 1], expected 4 shares of 0 or more, not all 0, one per GPU of a worker "
+            "(nodes_per_worker 2 x gpus_per_worker 2) in llama-server's device order",
+        ),
+        (guide_70b(tensor_split=[0]), "tensor_split: found [0], expected 1 shares of 0 or more, not all 0"),
+    ],
+)
+def test_a_bad_spanning_service_is_refused_naming_service_key_found_and_expected(service, expected):
+    message = refused(service)
+    assert expected in message and message.startswith("inference_services[0] (chat): ")
+
+
+def test_the_nodes_of_a_spanning_service_must_form_whole_workers_of_nodes_with_gpus():
+    def problems(hv: dict, **keys) -> list[str]:
+        items = services(guide_70b(**keys))
+        return checks.inference_check(items, hv, list(hv), [], {}, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24")
+
+    # More nodes than the group has.
+    assert problems(rig(2, 1), nodes_per_worker=3) == [
+        "all: service chat: nodes_per_worker: found 3, and the service has 2 node(s) (node1, node2 of nodes "
+        "'inference_nodes'), expected at most 2"
+    ]
+    # A node past the last whole worker.
+    assert problems(rig(3, 1), nodes_per_worker=2) == [
+        "all: service chat: nodes_per_worker: found 2, and 3 nodes (node1, node2, node3), expected a multiple of 2: "
+        "node3 would serve no worker"
+    ]
+    # A node without GPUs (the driver not loaded): named by the worker's check and by the placement's.
+    hv = rig(2, 1)
+    hv["node2"] = node("10.0.0.12", 0)
+    assert problems(hv, nodes_per_worker=2) == [
+        "node2: service chat: nodes_per_worker: found node2 with GPUs for 0 worker(s) in a worker of nodes node1, "
+        "node2 (gpus_per_worker 1 each: node1 1, node2 0), expected the same number on every node of a worker: each "
+        "worker takes gpus_per_worker GPUs of each of its nodes",
+        "node2: service chat: gpus: found auto and no GPU in gpu_facts, expected a GPU (is the driver loaded?)",
+    ]
+    with pytest.raises(ValueError, match="node2: service chat: nodes_per_worker: found node2 with GPUs for 0"):
+        placement.inference_workers(services(guide_70b(nodes_per_worker=2))[0], hv, "node1", [], list(hv))
+    # Whole workers of nodes with GPUs pass.
+    assert problems(rig(4, 1), nodes_per_worker=2) == []

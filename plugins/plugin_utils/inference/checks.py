@@ -1,7 +1,7 @@
 """The placement checks preflight runs (inference_check): every service's placement, memory, engine
 and quantisation on the GPUs it gets, its ports against the other services' and the training jobs',
 the gateways' keys and allow lists, and what engines vllm and llamacpp need (venvs, wheels, the
-llama-server binary)."""
+llama-server binary); what each GPU holds (inference_memory_split)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import gateway_problems
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import _gib, inference_memory_need
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import (
+    _gib,
+    inference_memory_need,
+    llamacpp_gpu_needs,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
     _gpu_label,
     _per_worker,
     _placement,
     inference_gateway_host,
     service_hosts,
+    spanning_problems,
+    worker_layouts,
+    worker_node_groups,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
-    CUDA_CONTEXT_BYTES,
     GPUS_PER_WORKER,
     QUANT_BYTES,
     QUANT_MIN_CAPABILITY,
@@ -54,7 +60,7 @@ def _gpu_problems(
     memory = gpu.get("memory_total_mib")
     usable, share = _usable_memory(service, memory)
     if isinstance(need, Mapping) and _is_int(memory) and need["per_gpu_bytes"] > usable:
-        hint = "" if need["gpus"] >= max(GPUS_PER_WORKER) else " (or more gpus_per_worker)"
+        hint = need.get("hint", "" if need["gpus"] >= max(GPUS_PER_WORKER) else " (or more gpus_per_worker)")
         problems.append(f"{label}: memory: needs {need['text']}; expected at most {_gib(usable)}{share}{hint}")
     if service.get("engine") == "vllm":
         return problems + _vllm_gpu_problems(hostvars, host, gpu, label)
@@ -110,7 +116,7 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
         return None, []
     config = model_configs[name]
     if service.get("engine") == "llamacpp":
-        return _gguf_need(service, config)
+        return _gguf_bytes(service, config)
     where = f"control node: service {name}: model"
     if config in (None, ""):
         return None, [
@@ -128,31 +134,42 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
         return None, [f"{where}: {service.get('model')}/{error}"]
 
 
-def _gguf_need(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
-    """engine llamacpp: (the memory need, the model's problems) from what the control node found of
-    the GGUF file: preflight's stat of it ({exists, isreg, size})."""
+def _gguf_bytes(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
+    """engine llamacpp: (the GGUF file's size, the model's problems) from what the control node found of
+    it: preflight's stat of it ({exists, isreg, size})."""
     size = found.get("size") if isinstance(found, Mapping) and found.get("isreg") else None
     if not _is_int(size) or size <= 0:
         return None, [
             f"control node: service {service.get('name')}: model: found no GGUF file {service.get('model')} on the "
             "control node, expected a GGUF model file (scripts in llama.cpp convert Hugging Face models to GGUF)"
         ]
-    gpus = _per_worker(service)
-    per_gpu = size // gpus + CUDA_CONTEXT_BYTES
-    spread = f", over {gpus} GPUs" if gpus > 1 else ""
-    context = _gib(CUDA_CONTEXT_BYTES)
-    text = f"{_gib(per_gpu)} (GGUF weights {_gib(size)}{spread} + {context} CUDA context; KV cache not counted)"
+    return size, []
+
+
+def _gpu_needs(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None,
+    need: Any,
+) -> dict[tuple[str, Any], Any]:
+    """Return {(node, GPU index): what that GPU holds of the service}: the same need on every GPU, or for
+    engine llamacpp (need: the GGUF's size) each GPU's layers and KV cache (llamacpp_gpu_needs) in every
+    worker, over one node or nodes_per_worker nodes."""
+    if need is None:
+        return {}
+    if service.get("engine") != "llamacpp":
+        return {
+            (host, gpu.get("index")): need
+            for host in service_hosts(service, hostvars, hosts)
+            for gpu in _placement(service, hostvars, host, jobs)[0]
+        }
     return {
-        "params": None,
-        "bytes_per_param": None,
-        "weights_bytes": size,
-        "kv_cache_bytes": 0,
-        "overhead_bytes": CUDA_CONTEXT_BYTES * gpus,
-        "gpus": gpus,
-        "per_gpu_bytes": per_gpu,
-        "total_bytes": size + CUDA_CONTEXT_BYTES * gpus,
-        "text": text,
-    }, []
+        (host, gpu.get("index")): gpu_need
+        for group in worker_node_groups(service, hostvars, hosts)
+        for slot, layout in enumerate(worker_layouts(service, hostvars, group, jobs))
+        for host, gpu, gpu_need in llamacpp_gpu_needs(service, need, layout, slot)
+    }
 
 
 def _service_problems(
@@ -162,9 +179,10 @@ def _service_problems(
     jobs: list[Mapping[str, Any]] | None,
     model_configs: Mapping[str, Any],
     unprobed_ok: bool = False,
-) -> tuple[list[str], dict[tuple[str, int], list[str]]]:
-    """Return (problems, {(host, GPU index): [service]}) of one service on all of its nodes."""
-    name, problems, claims = service.get("name"), [], {}
+) -> tuple[list[str], dict[tuple[str, int], list[str]], list[str]]:
+    """Return (problems, {(host, GPU index): [service]}, what each GPU holds) of one service on all of its
+    nodes."""
+    name, problems, claims, split = service.get("name"), [], {}, []
     nodes = service_hosts(service, hostvars, hosts)
     if not nodes:
         problems.append(f"all: service {name}: nodes: found {service.get('nodes')!r} with no host, expected hosts")
@@ -177,15 +195,20 @@ def _service_problems(
     if gateway is not None and gateway not in hosts:
         problems.append(f"{gateway}: service {name}: gateway.host: found {gateway}, expected a host of the inventory")
     need, model_problems = _memory_need(service, model_configs)
-    problems += model_problems
+    problems += model_problems + spanning_problems(service, hostvars, hosts, jobs, unprobed_ok)
+    needs = _gpu_needs(service, hostvars, hosts, jobs, need)
     for host in (h for h in nodes if h in hosts):
         chosen, placement_problems = _placement(service, hostvars, host, jobs)
         if not (unprobed_ok and node_gpus(hostvars, host) is None):
             problems += placement_problems
         for gpu in chosen:
             claims.setdefault((host, gpu.get("index")), []).append(str(name))
-            problems += _gpu_problems(service, hostvars, host, gpu, need)
-    return problems, claims
+            gpu_need = needs.get((host, gpu.get("index")))
+            problems += _gpu_problems(service, hostvars, host, gpu, gpu_need)
+            if gpu_need is not None:
+                usable, share = _usable_memory(service, gpu.get("memory_total_mib"))
+                split.append(f"{_gpu_label(host, gpu)}: service {name}: {gpu_need['text']} of {_gib(usable)}{share}")
+    return problems, claims, split
 
 
 def _port_owners(
@@ -402,7 +425,7 @@ def inference_check(
     active = [s for s in services or [] if s.get("state") != "absent"]
     problems, claims = [], {}
     for service in active:
-        service_problems, service_claims = _service_problems(
+        service_problems, service_claims, _split = _service_problems(
             service, hostvars, hosts, jobs, model_configs or {}, unprobed_ok
         )
         problems += service_problems
@@ -421,3 +444,21 @@ def inference_check(
     problems += vllm_wheelhouse_problems(active, hostvars, hosts, vllm_wheelhouses, wheels)
     problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems
+
+
+def inference_memory_split(
+    services: list[Mapping[str, Any]],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None = None,
+    model_configs: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Return what each GPU of each service not absent holds, one line a GPU with the arithmetic that
+    inference_check holds against its memory (the same inputs): for engine llamacpp the layers and their
+    KV cache of the GPU's worker, over one node or several. A service not in model_configs has no lines."""
+    return [
+        line
+        for service in services or []
+        if service.get("state") != "absent"
+        for line in _service_problems(service, hostvars, hosts, jobs, model_configs or {}, True)[2]
+    ]

@@ -119,11 +119,18 @@ def inference_llamacpp_command(
     worker's address and port, the service's name as its model (-a), concurrency slots (-np), each
     holding max_input_tokens + max_new_tokens (-c, llamacpp_context), max_new_tokens as the default
     completion length (-n), /metrics on, every layer on the GPU (-ngl all: a CPU build ignores it, with
-    a warning), the layers split evenly over gpus_per_worker GPUs (--tensor-split 1,1[,...]),
+    a warning), the layers split over the worker's GPUs by its tensor_split (placement's, the split
+    preflight checks: each GPU's memory, or the service's tensor_split),
     --embeddings for task embeddings, no web UI, no slot endpoints (--no-slots). No API key: the
     gateway checks the clients' keys and takes the header off, and the firewall admits only the
     gateway (and Prometheus)."""
     _raise_first(service, _bad_llamacpp(service))
+    if worker.get("rpc_servers"):
+        # A head without its RPC servers would fail at every start: their units come with issue 43's item 1.
+        raise ValueError(
+            f"service {service.get('name')}: nodes_per_worker: found {service.get('nodes_per_worker')}, expected 1: "
+            "the RPC servers of a worker over several nodes are not rendered yet"
+        )
     if not llama_server:
         raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
     argv = [str(llama_server)]
@@ -142,9 +149,9 @@ def inference_llamacpp_command(
     # No slot endpoints (/slots: read, save, restore or erase another client's KV cache); the gateway
     # passes none of llama-server's own paths either (inference_gateway_routes).
     argv += ["--metrics", "--no-webui", "--no-slots"]
-    gpus = _per_worker(service)
-    if gpus > 1:
-        argv += ["--tensor-split", ",".join(["1"] * gpus)]
+    split = worker.get("tensor_split") or []
+    if len(split) > 1:
+        argv += ["--tensor-split", ",".join(f"{share:g}" for share in split)]
     if service.get("task") == "embeddings":
         argv.append("--embeddings")
     return argv

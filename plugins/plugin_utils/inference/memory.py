@@ -1,21 +1,30 @@
 """What a service's model needs of a GPU: its shape from config.json, its weights at the service's
-dtype and quantisation, the KV cache of its context, split over a worker's GPUs."""
+dtype and quantisation, the KV cache of its context, split over a worker's GPUs; for llama.cpp, a
+GGUF file's layers and their KV cache on each GPU of a worker, over one node or several."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import _per_worker
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
+    _per_worker,
+    llamacpp_devices,
+    llamacpp_tensor_split,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
     CUDA_CONTEXT_BYTES,
     DTYPE_BYTES,
     GATED_MODELS,
     GIB,
+    LLAMACPP_KV_BYTES,
     QUANT_BYTES,
     UNTIED_MODELS,
     VLLM_QUANT_BYTES,
     _is_int,
+    llamacpp_context,
 )
 
 
@@ -144,3 +153,75 @@ def inference_memory_need(service: Mapping[str, Any], model_config: Mapping[str,
         "total_bytes": weights + kv_cache + CUDA_CONTEXT_BYTES * gpus,
         "text": f"{summary} ({text})",
     }
+
+
+def llamacpp_layers(split: list[Any], layers: int) -> list[list[int]]:
+    """Return the layers each device of a llama.cpp worker holds with -ngl all, as llama.cpp assigns
+    them (llama_model::load_tensors): layer il of layers + 1 (the last, il = layers, is the output layer)
+    goes to the first device whose cumulative share of the split exceeds il / (layers + 1)."""
+    total = sum(split)
+    points = list(itertools.accumulate(share / total for share in split))
+    held: list[list[int]] = [[] for _share in split]
+    for layer in range(layers + 1):
+        held[min(bisect.bisect_right(points, layer / (layers + 1)), len(split) - 1)].append(layer)
+    return held
+
+
+def _layer_text(held: list[int], layers: int) -> str:
+    """Layers 0-20 of 80, layers 61-79 of 80 + the output layer, the output layer only, no layer."""
+    repeating = [layer for layer in held if layer < layers]
+    text = f"layers {repeating[0]}-{repeating[-1]} of {layers}" if repeating else ""
+    if layers in held:
+        text = f"{text} + the output layer" if text else "the output layer only"
+    return text or "no layer"
+
+
+def llamacpp_gpu_needs(
+    service: Mapping[str, Any], gguf_bytes: int, layout: list[tuple[str, list[dict[str, Any]]]], slot: int = 0
+) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Return (node, GPU, need) for each GPU of one llama.cpp worker (layout: worker_layouts' entry), in
+    llama-server's device order. The GGUF's weights go by layer: the file over the model's layers + the
+    output layer, each the same size (the input embeddings, which llama.cpp keeps on the CPU, counted in:
+    the check errs on refusing); each repeating layer holds its KV cache: 2 (K and V) x kv_heads x
+    head_dim x 2 B (f16) x llamacpp_context tokens (-c: every slot's context). Without model_shape
+    the layers are unknown: the weights go by the split's shares and the KV cache is not counted (the
+    text says so). Each GPU adds a CUDA context. slot: the worker's, for the text. need:
+    {per_gpu_bytes, weights_bytes, kv_cache_bytes, gpus, layers, hint, text}."""
+    devices = llamacpp_devices(layout)
+    split = llamacpp_tensor_split(service, [gpu for _host, gpu in devices])
+    shape = service.get("model_shape") if isinstance(service.get("model_shape"), Mapping) else None
+    shown = ":".join(f"{share:g}" for share in split)
+    where = f"of {len(devices)} of worker {layout[0][0]}@{slot} (tensor split {shown})"
+    hint = (
+        " (or more nodes_per_worker or gpus_per_worker, a tensor_split that gives this GPU less, fewer slots "
+        "(concurrency) or a shorter max_input_tokens + max_new_tokens)"
+    )
+    context, needs = _gib(CUDA_CONTEXT_BYTES), []
+    if shape is None:
+        total = sum(split)
+        for number, (host, gpu) in enumerate(devices):
+            weights = int(gguf_bytes * split[number] / total)
+            per_gpu = weights + CUDA_CONTEXT_BYTES
+            text = (
+                f"{_gib(per_gpu)} (device {number} {where}: GGUF {_gib(gguf_bytes)} x {split[number]:g}/{total:g}"
+                f" = {_gib(weights)} + {context} CUDA context; KV cache not counted: the service gives no model_shape)"
+            )
+            need = {"per_gpu_bytes": per_gpu, "weights_bytes": weights, "kv_cache_bytes": 0, "layers": None}
+            needs.append((host, gpu, {**need, "gpus": len(devices), "hint": hint, "text": text}))
+        return needs
+    layers, tokens = shape["layers"], llamacpp_context(service)
+    per_layer_kv = 2 * shape["kv_heads"] * shape["head_dim"] * LLAMACPP_KV_BYTES * tokens
+    formula = f"2 x {shape['kv_heads']} KV heads x {shape['head_dim']} x {LLAMACPP_KV_BYTES} B x {tokens} tokens"
+    for number, ((host, gpu), held) in enumerate(zip(devices, llamacpp_layers(split, layers), strict=True)):
+        weights = gguf_bytes * len(held) // (layers + 1)
+        repeating = len([layer for layer in held if layer < layers])
+        kv_cache = per_layer_kv * repeating
+        per_gpu = weights + kv_cache + CUDA_CONTEXT_BYTES
+        text = (
+            f"{_gib(per_gpu)} ({_layer_text(held, layers)} on device {number} {where}: GGUF "
+            f"{_gib(gguf_bytes)} x {len(held)}/{layers + 1} layers = {_gib(weights)} + KV cache {repeating} layers x "
+            f"{_gib(per_layer_kv)} ({formula}) = {_gib(kv_cache)} + {context} CUDA context)"
+        )
+        need = {"per_gpu_bytes": per_gpu, "weights_bytes": weights, "kv_cache_bytes": kv_cache, "layers": held}
+        needs.append((host, gpu, {**need, "gpus": len(devices), "hint": hint, "text": text}))
+    return needs

@@ -1,6 +1,7 @@
 """Where a service runs: its nodes, which GPUs of each serve it (one worker per gpus_per_worker GPUs,
 around the GPUs training jobs hold: jobs.training_gpus), each worker's port and address, and the
-gateway's host and upstreams.
+gateway's host and upstreams. A llama.cpp worker may span nodes_per_worker nodes: its head runs
+llama-server, the others llama.cpp's RPC server on their GPUs (services._bad_spanning says why so).
 
 Where a node's GPUs come from: ``budgetgpu_gpus.gpus[]`` of gpu_facts (``index``, ``uuid``,
 ``name``, ``memory_total_mib``, ``compute_capability``), through the node model (nodes.py).
@@ -8,6 +9,7 @@ Where a node's GPUs come from: ``budgetgpu_gpus.gpus[]`` of gpu_facts (``index``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -115,15 +117,109 @@ def _per_worker(service: Mapping[str, Any]) -> int:
     return value if _is_int(value) and value in GPUS_PER_WORKER else 1
 
 
-def _workers(
-    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, gpus: list[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    address, name, port = node_address(hostvars, host), str(service.get("name")), service.get("port")
-    # _placement chose whole workers' worth of GPUs (or reported the list that is not).
+def _per_node(service: Mapping[str, Any]) -> int:
+    value = _as_int(service.get("nodes_per_worker"))
+    return value if _is_int(value) and value >= 1 else 1
+
+
+def _gpu_groups(service: Mapping[str, Any], gpus: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A node's GPUs of the service in workers' groups of gpus_per_worker (a rest serves no worker)."""
     per_worker = _per_worker(service)
-    groups = [gpus[i : i + per_worker] for i in range(0, len(gpus), per_worker)]
-    return [
-        {
+    return [gpus[i : i + per_worker] for i in range(0, len(gpus) - len(gpus) % per_worker, per_worker)]
+
+
+def worker_node_groups(service: Mapping[str, Any], hostvars: Mapping[str, Any], hosts: list[str]) -> list[list[str]]:
+    """Return the service's nodes in groups of nodes_per_worker, in the service's order: each group's
+    workers span it, its first node is their head. Nodes past the last whole group serve no worker
+    (spanning_problems names them)."""
+    nodes, size = service_hosts(service, hostvars, hosts), _per_node(service)
+    return [nodes[i : i + size] for i in range(0, len(nodes) - len(nodes) % size, size)]
+
+
+def worker_layouts(
+    service: Mapping[str, Any], hostvars: Mapping[str, Any], group: list[str], jobs: list[Mapping[str, Any]] | None
+) -> list[list[tuple[str, list[dict[str, Any]]]]]:
+    """Return each worker of a group of nodes as [(node, its GPUs of the worker)], head first: worker k
+    takes the k-th gpus_per_worker GPUs the service gets on every node of the group (as many workers
+    as the node with the fewest gives; spanning_problems names a difference)."""
+    groups = {host: _gpu_groups(service, _placement(service, hostvars, host, jobs)[0]) for host in group}
+    count = min((len(found) for found in groups.values()), default=0)
+    return [[(host, groups[host][slot]) for host in group] for slot in range(count)]
+
+
+def llamacpp_devices(layout: list[tuple[str, list[dict[str, Any]]]]) -> list[tuple[str, dict[str, Any]]]:
+    """Return a llama.cpp worker's GPUs as (node, GPU) in llama-server's device order, the order of
+    --tensor-split and of its layers: the RPC nodes' GPUs in node order, then the head's own (llama.cpp
+    puts RPC devices first, "to minimize network transfers": the last layers and the output stay local)."""
+    return [(host, gpu) for host, gpus in [*layout[1:], *layout[:1]] for gpu in gpus]
+
+
+def llamacpp_tensor_split(service: Mapping[str, Any], gpus: list[Mapping[str, Any]]) -> list[Any]:
+    """Return each GPU's share of a llama.cpp worker's layers, in device order: the service's
+    tensor_split, else each GPU's memory in the smallest whole numbers (llama.cpp's own default is each
+    device's free memory; a GPU that preflight gives one worker alone has nearly all of it free)."""
+    split = service.get("tensor_split")
+    if isinstance(split, list) and len(split) == len(gpus):
+        return list(split)
+    memory = [gpu.get("memory_total_mib") if _is_int(gpu.get("memory_total_mib")) else 0 for gpu in gpus]
+    if not all(memory):
+        return [1] * len(gpus)
+    divisor = math.gcd(*memory)
+    return [mib // divisor for mib in memory]
+
+
+def spanning_problems(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None,
+    unprobed_ok: bool = False,
+) -> list[str]:
+    """Return why the service's nodes do not form whole workers of nodes_per_worker nodes: fewer nodes
+    than a worker spans, nodes past the last whole worker, a node of a worker that gives it fewer GPUs
+    than another (none: a node without GPUs for the service). unprobed_ok: a node without GPU facts is
+    left out of the comparison (safe mode)."""
+    size, name, nodes = _per_node(service), service.get("name"), service_hosts(service, hostvars, hosts)
+    if size == 1:
+        return []
+    where = f"all: service {name}: nodes_per_worker"
+    if len(nodes) < size:
+        return [
+            f"{where}: found {size}, and the service has {len(nodes)} node(s) ({', '.join(nodes) or 'none'} of "
+            f"nodes {service.get('nodes')!r}), expected at most {len(nodes)}"
+        ]
+    problems = []
+    if len(nodes) % size:
+        problems.append(
+            f"{where}: found {size}, and {len(nodes)} nodes ({', '.join(nodes)}), expected a multiple of {size}: "
+            f"{', '.join(nodes[len(nodes) - len(nodes) % size :])} would serve no worker"
+        )
+    for group in worker_node_groups(service, hostvars, hosts):
+        probed = [h for h in group if not (unprobed_ok and node_gpus(hostvars, h) is None)]
+        counts = {h: len(_gpu_groups(service, _placement(service, hostvars, h, jobs)[0])) for h in probed}
+        if len(set(counts.values())) > 1:
+            fewest = min(counts, key=counts.get)
+            problems.append(
+                f"{fewest}: service {name}: nodes_per_worker: found {fewest} with GPUs for {counts[fewest]} worker(s) "
+                f"in a worker of nodes {', '.join(group)} (gpus_per_worker {_per_worker(service)} each: "
+                f"{', '.join(f'{h} {c}' for h, c in counts.items())}), expected the same number on every node of a "
+                "worker: each worker takes gpus_per_worker GPUs of each of its nodes"
+            )
+    return problems
+
+
+def _workers(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    layouts: list[list[tuple[str, list[dict[str, Any]]]]],
+) -> list[dict[str, Any]]:
+    """The workers of worker_layouts on their head; a llama.cpp worker also names its RPC servers (on
+    each other node: port + slot, that node's GPUs of it) and its tensor_split (llamacpp_tensor_split)."""
+    name, port = str(service.get("name")), service.get("port")
+    workers = []
+    for slot, layout in enumerate(layouts):
+        host, group = layout[0]
+        worker = {
             "service": name,
             "host": host,
             "slot": slot,
@@ -133,25 +229,76 @@ def _workers(
             "gpu_indices": [gpu.get("index") for gpu in group],
             "gpu_uuids": [gpu.get("uuid") for gpu in group],
             "port": port + slot,
-            "address": address,
+            "address": node_address(hostvars, host),
             "unit": unit_name(name, slot),
         }
-        for slot, group in enumerate(groups)
-    ]
+        if service.get("engine") == "llamacpp":
+            worker["rpc_servers"] = [
+                {
+                    "host": node,
+                    "slot": slot,
+                    "address": node_address(hostvars, node),
+                    "port": port + slot,
+                    "gpu_indices": [gpu.get("index") for gpu in gpus],
+                    "gpu_uuids": [gpu.get("uuid") for gpu in gpus],
+                }
+                for node, gpus in layout[1:]
+            ]
+            worker["tensor_split"] = llamacpp_tensor_split(service, [gpu for _node, gpu in llamacpp_devices(layout)])
+        workers.append(worker)
+    return workers
 
 
 def inference_workers(
-    service: Mapping[str, Any], hostvars: Mapping[str, Any], host: str, jobs: list[Mapping[str, Any]] | None = None
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    host: str,
+    jobs: list[Mapping[str, Any]] | None = None,
+    hosts: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Return the workers of the service on host, one per gpus_per_worker GPUs ([] where host is not a
-    node of it): {service, host, slot, gpu_index, gpu_uuid (its first GPU's), gpu_indices, gpu_uuids,
-    port, address, unit}. Slot i listens on port + i."""
+    """Return the workers of the service whose head is host, one per gpus_per_worker GPUs ([] where host
+    is not a node of it, or only an RPC node): {service, host, slot, gpu_index, gpu_uuid (its first
+    GPU's), gpu_indices, gpu_uuids, port, address, unit}; engine llamacpp adds rpc_servers ([{host, slot,
+    address, port, gpu_indices, gpu_uuids}], the other nodes of a worker that spans nodes_per_worker nodes,
+    else []) and tensor_split (each GPU's share, in llama-server's device order). Slot i listens on port + i.
+    hosts: the inventory's hosts, which order a group of nodes (default: hostvars' order)."""
     if not serves_on(service, hostvars, host):
         return []
-    gpus, problems = _placement(service, hostvars, host, jobs)
+    if _per_node(service) == 1:
+        gpus, problems = _placement(service, hostvars, host, jobs)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return _workers(service, hostvars, [[(host, group)] for group in _gpu_groups(service, gpus)])
+    hosts = list(hosts or hostvars)
+    group = next((g for g in worker_node_groups(service, hostvars, hosts) if host in g), [])
+    problems = spanning_problems(service, hostvars, hosts, jobs)
+    problems += [p for node in group for p in _placement(service, hostvars, node, jobs)[1]]
     if problems:
         raise ValueError("; ".join(problems))
-    return _workers(service, hostvars, host, gpus)
+    if not group or group[0] != host:
+        return []
+    return _workers(service, hostvars, worker_layouts(service, hostvars, group, jobs))
+
+
+def inference_rpc_servers(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    host: str,
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Return the llama.cpp RPC servers host runs for the service's workers that span nodes: {host, slot,
+    address, port, gpu_indices, gpu_uuids, service, head, head_address} (head: the worker's head node,
+    which alone connects to it); [] on a head or a node of a worker of one node."""
+    group = next((g for g in worker_node_groups(service, hostvars, hosts) if host in g[1:]), None)
+    if group is None:
+        return []
+    return [
+        {**server, "service": worker["service"], "head": worker["host"], "head_address": worker["address"]}
+        for worker in inference_workers(service, hostvars, group[0], jobs, hosts)
+        for server in worker["rpc_servers"]
+        if server["host"] == host
+    ]
 
 
 def inference_upstreams(
@@ -164,5 +311,5 @@ def inference_upstreams(
     return [
         endpoint(worker["address"], worker["port"])
         for host in service_hosts(service, hostvars, hosts)
-        for worker in inference_workers(service, hostvars, host, jobs)
+        for worker in inference_workers(service, hostvars, host, jobs, hosts)
     ]

@@ -20,6 +20,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.keys i
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import inference_context_tokens
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
     inference_gateway_host,
+    inference_rpc_servers,
     inference_upstreams,
     inference_workers,
 )
@@ -44,8 +45,10 @@ def inference_plan(
     allow: list[str] | None = None,
     cluster_subnet: str | None = None,
 ) -> dict[str, Any]:
-    """Return the service on host: {service, name, state, workers (inference_workers), is_gateway, upstreams
-    (every worker of every node: the gateway's alone, while the service is not absent), model_dir,
+    """Return the service on host: {service, name, state, workers (inference_workers: those whose head is
+    host), rpc_servers (inference_rpc_servers: the llama.cpp RPC servers host runs for workers headed on
+    another node), is_gateway, upstreams (every worker of every node: the gateway's alone, while the
+    service is not absent), model_dir,
     config_file, template, gateway_host, gateway_port, gateway_address (its address, nodes.node_address:
     what alone may reach the workers), allow (inference_gateway_allow), listen (gateway.listen, else the
     gateway's address), rates (the gateway's, as upstreams), body_limits, max_conns, routes, context_tokens}."""
@@ -59,7 +62,8 @@ def inference_plan(
         "service": service,
         "name": service.get("name"),
         "state": service.get("state"),
-        "workers": inference_workers(service, hostvars, host, jobs),
+        "workers": inference_workers(service, hostvars, host, jobs, hosts),
+        "rpc_servers": inference_rpc_servers(service, hostvars, host, hosts, jobs),
         "is_gateway": is_gateway,
         "upstreams": upstreams,
         "model_dir": service.get("model_dir"),

@@ -9,6 +9,7 @@ each key):
     task: generation                 # generation | embeddings
     nodes: inference_nodes           # an inventory group, or a list of hosts
     gpus: auto                       # auto | [0, 1] (nvidia-smi indices) | {node1: [0], node2: auto}
+    nodes_per_worker: 1              # engine llamacpp: one worker over this many nodes (llama.cpp's RPC)
     quantization: 4bit               # none | 8bit | 4bit
     gateway: {host: node1, port: 8080}
 
@@ -97,6 +98,15 @@ LLAMACPP_MAX_SLOTS = 256
 LLAMACPP_MAX_CONTEXT = 1_048_576
 
 
+# What a GGUF model's KV cache is made of (a service's model_shape, engine llamacpp): per layer and token,
+# K and V of kv_heads x head_dim elements. The guide's 70B (Llama-2/3 70B): 80 layers, 8 KV heads, 128.
+MODEL_SHAPE_KEYS = ("layers", "kv_heads", "head_dim")
+
+
+# llama-server's KV cache type (-ctk/-ctv, default f16): bytes of one element.
+LLAMACPP_KV_BYTES = 2
+
+
 # The workers' own system user, which the role creates; the accounts of the system and of the other
 # services the project runs, which a worker must never run as (it would read their keys and data: munge's
 # key, Slurm's state, Prometheus' TSDB, NGINX's API key maps through www-data). Role inference refuses
@@ -127,6 +137,12 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "nodes": "inference_nodes",
     "gpus": "auto",
     "gpus_per_worker": 1,
+    # engine llamacpp: a worker over this many of the service's nodes, in their order (see _bad_spanning).
+    "nodes_per_worker": 1,
+    # engine llamacpp: {layers, kv_heads, head_dim} of the GGUF's model, for its KV cache (MODEL_SHAPE_KEYS);
+    # tensor_split: each GPU's share of a worker's layers in llama-server's device order (None: by memory).
+    "model_shape": None,
+    "tensor_split": None,
     "dtype": "float16",
     "quantization": "none",
     "max_new_tokens": 256,
@@ -188,6 +204,7 @@ GATEWAY_INT_FIELDS = {"rate_per_s": 1, "conns_per_client": 1}
 
 INT_FIELDS = {  # field -> smallest value
     "gpus_per_worker": 1,
+    "nodes_per_worker": 1,
     "max_new_tokens": 1,
     "max_input_tokens": 1,
     "concurrency": 1,
@@ -290,6 +307,10 @@ def inference_service_normalize(
     for key in INT_FIELDS:
         merged[key] = _as_int(merged.get(key))
     merged["batch_window_ms"] = _as_float(merged.get("batch_window_ms"))
+    if isinstance(merged.get("model_shape"), Mapping):
+        merged["model_shape"] = {key: _as_int(value) for key, value in merged["model_shape"].items()}
+    if isinstance(merged.get("tensor_split"), list):
+        merged["tensor_split"] = [_as_float(share) for share in merged["tensor_split"]]
     if isinstance(merged.get("gateway"), Mapping):
         gateway = merged["gateway"]
         ints = ("port", "conns_per_key", *GATEWAY_INT_FIELDS)
@@ -534,6 +555,60 @@ def llamacpp_context(service: Mapping[str, Any]) -> int:
     return (values[0] + values[1]) * values[2]
 
 
+def _bad_spanning(service: Mapping[str, Any]) -> list[str]:
+    """A worker over several nodes, and what its memory check needs to know.
+
+    nodes_per_worker, a count like gpus_per_worker rather than a list of node lists: the service's
+    nodes (its group in inventory order, or its list) form workers of that many consecutive nodes, so
+    a group that grows by whole workers needs no edit of the service, and one key says the size the
+    memory check splits over. The first node of each is the head (llama-server --rpc, the gateway's
+    upstream); the others run llama.cpp's RPC server on the same GPUs a single-node worker would get
+    (gpus, gpus_per_worker). Only llama.cpp splits one model over nodes (its RPC backend); the split is
+    by layer, so it needs the model's model_shape. tensor_split: one share per GPU of a worker, in
+    llama-server's device order (the RPC nodes' GPUs in node order, then the head's own)."""
+    bad, engine = [], service.get("engine")
+    per_node, shape, split = service.get("nodes_per_worker"), service.get("model_shape"), service.get("tensor_split")
+    if engine != "llamacpp":
+        if _is_int(per_node) and per_node > 1:
+            bad.append(
+                f"nodes_per_worker: found {per_node} with engine {engine}, expected 1: only engine llamacpp "
+                "serves one model from several nodes (llama.cpp's RPC backend)"
+            )
+        bad += [
+            f"{key}: found {service.get(key)!r} with engine {engine}, expected none (engine llamacpp's)"
+            for key in ("model_shape", "tensor_split")
+            if service.get(key) is not None
+        ]
+        return bad
+    if shape is not None and not (
+        isinstance(shape, Mapping)
+        and set(shape) == set(MODEL_SHAPE_KEYS)
+        and all(_is_int(shape[key]) and shape[key] > 0 for key in MODEL_SHAPE_KEYS)
+    ):
+        bad.append(
+            f"model_shape: found {shape!r}, expected {{layers, kv_heads, head_dim}} of the GGUF's model as whole "
+            "numbers (the guide's Llama 70B: {layers: 80, kv_heads: 8, head_dim: 128})"
+        )
+    if _is_int(per_node) and per_node > 1 and shape is None:
+        bad.append(
+            f"model_shape: found none with nodes_per_worker {per_node}, expected {{layers, kv_heads, head_dim}} of "
+            "the GGUF's model: llama.cpp splits a worker over its nodes by layer, with each layer's KV cache"
+        )
+    if split is not None:
+        gpus = service.get("gpus_per_worker")
+        wanted = per_node * gpus if _is_int(per_node) and _is_int(gpus) else None
+        shares_ok = isinstance(split, list) and all(
+            isinstance(share, int | float) and not isinstance(share, bool) and share >= 0 for share in split
+        )
+        if not shares_ok or not sum(split) > 0 or (wanted and len(split) != wanted):
+            bad.append(
+                f"tensor_split: found {split!r}, expected {f'{wanted} ' if wanted else ''}shares of 0 or more, not "
+                f"all 0, one per GPU of a worker (nodes_per_worker {per_node} x gpus_per_worker {gpus}) in "
+                "llama-server's device order: the RPC nodes' GPUs, then the head's"
+            )
+    return bad
+
+
 def _bad_user(user: Any, training_users: Any = ()) -> list[str]:
     """The workers' user: a valid name, never root, a training user or another service's account."""
     expected = f"expected a user of the workers' own (default {INFERENCE_USER}, which the role creates)"
@@ -607,6 +682,7 @@ def service_problems(service: Mapping[str, Any], training_users: Any = ()) -> li
         *_bad_engine(service),
         *_bad_vllm(service),
         *_bad_llamacpp(service),
+        *_bad_spanning(service),
         *_bad_runtime(service, training_users),
     ]
 
