@@ -611,6 +611,17 @@ def start_plan(gpus: list[str], out: dict[str, dict[str, Any]], nproc: int, fixe
     return plan
 
 
+def fixed_size(env: dict[str, str]) -> str:
+    """Return why a job runs only at the size its unit asks (start_plan's fixed), from its unit's environment
+    (jobs.torchrun_environment): a number as nproc_per_node (BUDGETGPU_NPROC_FIXED, a unit without it too), or
+    hsdp, whose mesh needs as many ranks on every node; "" for a job that runs one rank per GPU in service."""
+    if env.get("BUDGETGPU_NPROC_FIXED", "1") != "0":
+        return "nproc_per_node is fixed"
+    if env.get("BUDGETGPU_PARALLELISM") == "hsdp":
+        return "hsdp needs as many ranks on every node"
+    return ""
+
+
 def newly_quarantined(state: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Return {uuid: {reason, since, by}} of the GPUs that the pass which wrote this state took out: the
     watch's take-outs dated at the pass's time (its "updated"). The inventory's list is not new to a job:
@@ -632,12 +643,11 @@ def gpu_minors(state: dict[str, Any] | None) -> dict[str, int]:
 def job_restarts(state: dict[str, Any] | None, units: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
     """Return [{unit, action restart|keep, reason}] for the running training job units that hold a GPU the
     last pass took out (newly_quarantined). units: {unit: {"minors": the GPU minors its DeviceAllow= opens
-    (device_allow.unit_gpu_minors), "fixed": whether its nproc_per_node is a number}} of the node's running
-    job units.
+    (device_allow.unit_gpu_minors), "fixed": fixed_size of its environment}} of the node's running job units.
 
     A job with nproc_per_node "gpu" restarts: its launcher's start_plan then runs one rank per GPU still in
-    service. A fixed count keeps running as before (start_plan holds it at its next start). A GPU released
-    restarts nothing: the job is back at its full size at its next start.
+    service. One of a fixed size keeps running as before (start_plan holds it at its next start). A GPU
+    released restarts nothing: the job is back at its full size at its next start.
     """
     new, minors = newly_quarantined(state), gpu_minors(state)
     decisions = []
@@ -647,7 +657,7 @@ def job_restarts(state: dict[str, Any] | None, units: dict[str, dict[str, Any]])
             continue
         words = "; ".join(taken)
         if held["fixed"]:
-            reason = f"{words}; nproc_per_node is fixed: it keeps running, and is held at its next start"
+            reason = f"{words}; {held['fixed']}: it keeps running, and is held at its next start"
             decisions.append({"unit": unit, "action": "keep", "reason": reason})
         else:
             reason = f"{words}; nproc_per_node is gpu: it restarts on the GPUs still in service"

@@ -163,7 +163,7 @@ def test_one_pass_on_a_4_gpu_node_costs_under_100_ms_of_cpu(watch):
     assert (time.process_time() - start) / passes < 0.1
 
 
-def launcher_argv(state: dict, tmp_path, nproc: int, fixed: bool) -> tuple[list[str] | None, dict]:
+def launcher_argv(state: dict, tmp_path, nproc: int, fixed: bool, **extra: str) -> tuple[list[str] | None, dict]:
     from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
 
     launcher = load_file_module("budgetgpu_torchrun", REPO / "roles" / "torchrun" / "files" / "budgetgpu-torchrun")
@@ -173,6 +173,7 @@ def launcher_argv(state: dict, tmp_path, nproc: int, fixed: bool) -> tuple[list[
         "BUDGETGPU_NPROC_FIXED": "1" if fixed else "0",
         "BUDGETGPU_GPU_HEALTH_STATE": str(tmp_path / "state.json"),
         "BUDGETGPU_GPU_HEALTH_UTILS": str(REPO / "plugins" / "module_utils" / "gpu_health.py"),
+        **extra,
     }
     return launcher.gpu_health_argv(["--max-restarts=3", f"--nproc-per-node={nproc}", "train.py"], env), env
 
@@ -197,6 +198,12 @@ def test_the_launcher_holds_a_fixed_size_job_that_needs_the_gpu(tmp_path, capsys
     assert "held, not started: nproc_per_node is fixed at 4" in capsys.readouterr().out
     argv, env = launcher_argv(OUT, tmp_path, 2, fixed=True)  # GPUs 0 and 1: none of them is out
     assert argv[1] == "--nproc-per-node=2" and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_the_launcher_holds_an_hsdp_job_rather_than_run_a_node_short(tmp_path, capsys):
+    assert launcher_argv(OUT, tmp_path, 4, fixed=False, BUDGETGPU_PARALLELISM="hsdp")[0] is None
+    assert "held, not started: nproc_per_node is fixed at 4 and " in (out := capsys.readouterr().out)
+    assert "(hsdp needs as many ranks on every node); release a GPU" in out
 
 
 def test_the_launcher_without_a_watch_starts_as_before(tmp_path):

@@ -600,10 +600,10 @@ def pass_state(state, sample, now, listed=()):
 HOT_DEAD_FAN = {"temperature_c": 90, "fans": [{"speed_pct": 0, "target_pct": 80}]}
 # Four job units: "gpu" jobs on every GPU and on GPUs 0-1, fixed ones on every GPU and on GPUs 0-1.
 UNITS = {
-    "budgetgpu-job-all.service": {"minors": {0, 1, 2, 3}, "fixed": False},
-    "budgetgpu-job-fixed4.service": {"minors": {0, 1, 2, 3}, "fixed": True},
-    "budgetgpu-job-fixed2.service": {"minors": {0, 1}, "fixed": True},
-    "budgetgpu-job-low.service": {"minors": {0, 1}, "fixed": False},
+    "budgetgpu-job-all.service": {"minors": {0, 1, 2, 3}, "fixed": ""},
+    "budgetgpu-job-fixed4.service": {"minors": {0, 1, 2, 3}, "fixed": "nproc_per_node is fixed"},
+    "budgetgpu-job-fixed2.service": {"minors": {0, 1}, "fixed": "nproc_per_node is fixed"},
+    "budgetgpu-job-low.service": {"minors": {0, 1}, "fixed": ""},
 }
 
 
@@ -637,8 +637,17 @@ def test_a_gpu_off_the_bus_is_found_by_its_remembered_minor_while_the_others_are
     state = pass_state(state, {"gpus": renumbered}, "t1")
     assert set(gpu_health.newly_quarantined(state)) == {UUIDS[1]}
     units = {
-        "budgetgpu-job-a.service": {"minors": {1}, "fixed": False},
-        "budgetgpu-job-b.service": {"minors": {3}, "fixed": False},
+        "budgetgpu-job-a.service": {"minors": {1}, "fixed": ""},
+        "budgetgpu-job-b.service": {"minors": {3}, "fixed": ""},
     }
     assert [d["unit"] for d in gpu_health.job_restarts(state, units)] == ["budgetgpu-job-a.service"]
     assert gpu_health.job_restarts(None, units) == []
+
+
+def test_a_job_runs_on_fewer_gpus_only_with_nproc_per_node_gpu_and_not_under_hsdp():
+    assert gpu_health.fixed_size({"BUDGETGPU_NPROC_FIXED": "0", "BUDGETGPU_PARALLELISM": "fsdp"}) == ""
+    assert gpu_health.fixed_size({"BUDGETGPU_NPROC_FIXED": "1"}) == "nproc_per_node is fixed"
+    assert gpu_health.fixed_size({}) == "nproc_per_node is fixed"  # a unit the launcher leaves as it is
+    # hsdp's mesh is nodes x ranks of a node: a node one rank short cannot form it.
+    hsdp = {"BUDGETGPU_NPROC_FIXED": "0", "BUDGETGPU_PARALLELISM": "hsdp"}
+    assert gpu_health.fixed_size(hsdp) == "hsdp needs as many ranks on every node"
