@@ -600,6 +600,9 @@ def torchrun_job_status(
             f"(rank 0's status of {age:.0f} s ago)"
         )
         lines.append(result["straggler"] or "straggler: no report yet")
+        if status.get("world_change"):
+            # Restarted on fewer GPUs than planned (a GPU taken out; sharding.keep_global_batch's words).
+            lines.append(f"world changed: {status['world_change']}")
         result["verdict"] = step_verdict(status)
         lines += result["verdict"]
     else:

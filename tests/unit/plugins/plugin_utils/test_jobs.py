@@ -92,6 +92,16 @@ def test_job_status_on_rank_0s_node_shows_step_rate_straggler_and_energy():
     ]
 
 
+def test_job_status_says_why_a_job_runs_fewer_ranks_than_planned():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_job_status
+
+    job = torchrun_jobs_normalize([{"name": "e2e", "script": "/srv/t.py"}])[0]
+    why = "3 of the 4 ranks planned: node1: 3 of 4 GPUs: left out GPU-2 quarantined since t1 (fan 0%); ..."
+    status = {"step": 12, "steps_per_s": 2.0, "time": 990.0, "world": 3, "planned_world": 4, "world_change": why}
+    result = torchrun_job_status(job, {"ActiveState": "active"}, _slurp(status), None, None, now=1000.0)
+    assert result["lines"][3] == f"world changed: {why}"
+
+
 def test_job_status_elsewhere_says_where_rank_0_is_and_survives_missing_files():
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import torchrun_job_status
 
