@@ -1468,5 +1468,10 @@ def test_the_nodes_of_a_spanning_service_must_form_whole_workers_of_nodes_with_g
     ]
     with pytest.raises(ValueError, match="node2: service chat: nodes_per_worker: found node2 with GPUs for 0"):
         placement.inference_workers(services(guide_70b(nodes_per_worker=2))[0], hv, "node1", [], list(hv))
+    # Safe mode leaves a node without GPU facts out, as it does a node of a worker of one node.
+    del hv["node2"]["ansible_facts"]["budgetgpu_gpus"]
+    items = services(guide_70b(nodes_per_worker=2))
+    assert checks.inference_check(items, hv, list(hv), [], {}, True, {"ci": KEY}, cluster_subnet="10.0.0.0/24") == []
+    assert "node2: service chat: gpus: found no GPU facts" in "\n".join(problems(hv, nodes_per_worker=2))
     # Whole workers of nodes with GPUs pass.
     assert problems(rig(4, 1), nodes_per_worker=2) == []
