@@ -327,14 +327,17 @@ def test_root_restarts_a_gpu_job_on_a_gpu_the_pass_took_out_and_names_a_fixed_on
     envs.mkdir()
     (envs / "all.env").write_text('BUDGETGPU_JOB="all"\nBUDGETGPU_NPROC_FIXED="0"\n')
     (envs / "fixed.env").write_text('BUDGETGPU_JOB="fixed"\nBUDGETGPU_NPROC_FIXED="1"\n')
+    (envs / "stopping.env").write_text('BUDGETGPU_NPROC_FIXED="0"\n')
     config["jobs_env_dir"] = str(envs)
 
-    def unit(job: str, minors: tuple[int, ...]) -> str:
+    def unit(job: str, minors: tuple[int, ...], state: str = "active") -> str:
         allow = "".join(f"DeviceAllow=/dev/char/195:{minor} rw\n" for minor in (*minors, 255))
-        return f"Id=budgetgpu-job-{job}.service\nActiveState=active\nDevicePolicy=closed\n{allow}"
+        return f"Id=budgetgpu-job-{job}.service\nActiveState={state}\nDevicePolicy=closed\n{allow}"
 
     shown = {f"budgetgpu-job-{job}.service": unit(job, minors) for job, minors in
              (("all", (0, 1, 2, 3)), ("fixed", (0, 1, 2, 3)), ("two", (0, 1)))}  # fmt: skip
+    # Someone is stopping this one: the watch does not start it again.
+    shown["budgetgpu-job-stopping.service"] = unit("stopping", (0, 1, 2, 3), "deactivating")
     calls = []
 
     def systemctl(*args):
