@@ -129,9 +129,17 @@ def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_
     proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **{**variables, "inference_llamacpp_server": "llama-server"})
     assert "FAIL control node: inference_llamacpp_server: found 'llama-server', a relative path" in proc.stdout
     (tmp_path / "written").rename(tmp_path / "written-2")
-    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **variables)
+    shaped = [{**services[0], "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 32}}]
+    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **{**variables, "inference_services": shaped})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "inference placement passed: 1 services, chat" in proc.stdout
+    # What the GPU holds is printed with the arithmetic, the KV cache counted (issue 43 item 3).
+    said = " ".join(proc.stdout.split())  # the YAML callback folds long lines
+    for words in (
+        f"fake1 GPU 0 ({RTX}, 24576 MiB): service chat: 502 MiB (layers 0-1 of 2 + the output layer on device 0",
+        "KV cache 2 layers x 1 MiB (2 x 2 KV heads x 32 x 2 B x 4608 tokens) = 2 MiB + 500 MiB CUDA context) of 24.0 GiB",
+    ):
+        assert words in said, said[-3000:]
 
 
 def test_a_bad_service_field_fails_naming_service_and_field(tmp_path):
