@@ -126,8 +126,8 @@ def inference_scrape_targets(
                 configs.append({"targets": [endpoint(worker["address"], worker["port"])], "labels": labels})
     stale, unknown = list(dict.fromkeys(stale)), list(dict.fromkeys(unknown))
     report = [
-        f"{host}: no GPU facts in this run (down or left out): Prometheus keeps its inference workers' targets of the "
-        "last run (stale: run again once it is up)"
+        f"{host}: no GPU facts in this run (down or left out): Prometheus keeps the targets of its inference workers "
+        "from the last run (stale: run again once it is up)"
         for host in stale
     ] + [
         f"{host}: no GPU facts in this run (down or left out) and no earlier run placed its inference workers: they "

@@ -37,10 +37,12 @@ def scraped_nodes() -> list[str]:
 def test_a_node_without_facts_keeps_its_targets_marked_stale_and_the_run_goes_on(playbook) -> None:
     before, scraped = inference_targets(), scraped_nodes()
     assert OTHER in {config["labels"]["node"] for config in before}, before
-    done = playbook("monitoring.yml", "--tags", "prometheus", "--limit", GATEWAY)
+    # Prometheus' play and the probe (node1 is probed; node2 is not in the run), not the exporters and Alertmanager
+    # this scenario does not run.
+    done = playbook("monitoring.yml", "--skip-tags", "node_exporter,alertmanager", "--limit", GATEWAY)
     assert done.returncode == 0, done.stdout[-3000:]
-    said = f"{OTHER}: no GPU facts in this run (down or left out): Prometheus keeps its inference workers' targets"
-    assert said in done.stdout, done.stdout[-3000:]
+    said = f"{OTHER}: no GPU facts in this run (down or left out): Prometheus keeps the targets of its inference"
+    assert said in done.stdout and f"{GATEWAY}: no GPU facts" not in done.stdout, done.stdout[-3000:]
     assert inference_targets() == before
     assert f"# Stale: {OTHER} had no facts in the run that wrote this" in sh(GATEWAY, f"cat {CONFIG}")
     assert scraped_nodes() == scraped

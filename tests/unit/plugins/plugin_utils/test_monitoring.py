@@ -117,8 +117,8 @@ def test_a_node_without_facts_keeps_its_last_targets_and_is_reported_stale_inste
     assert found["configs"][0]["labels"]["gpu_uuid"] == "GPU-a"
     assert (found["stale"], found["unknown"]) == (["node1"], ["node9"])
     assert found["report"] == [
-        "node1: no GPU facts in this run (down or left out): Prometheus keeps its inference workers' targets of the "
-        "last run (stale: run again once it is up)",
+        "node1: no GPU facts in this run (down or left out): Prometheus keeps the targets of its inference workers "
+        "from the last run (stale: run again once it is up)",
         "node9: no GPU facts in this run (down or left out) and no earlier run placed its inference workers: they "
         "are not scraped until a run reaches it",
     ]
