@@ -15,7 +15,7 @@ import yaml
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
     inference_workers,
-    service_hosts,
+    worker_node_groups,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_gpus
 
@@ -98,26 +98,29 @@ def inference_scrape_targets(
     address and port as the inference role places it (inference_workers, with the node's own budgetgpu_jobs, as
     the role reads them), labelled node (inventory name), service, slot, unit and gpu_uuid. A node without GPU
     facts in this run (down, its cached facts expired, or left out by --limit) keeps its workers' targets of the
-    last configuration (recorded: the text of the prometheus.yml an earlier run wrote) and is named in stale:
-    Prometheus shows them down, and one node down does not stop the configuration of the others. One that no
-    earlier configuration holds is named in unknown (its workers' ports are not known: not scraped until a run
-    reaches it). report: one line for each of those nodes."""
+    last configuration (recorded: the text of the prometheus.yml an earlier run wrote; a worker that spans nodes
+    keeps its head's while any of them has none) and is named in stale: Prometheus shows them down, and one node
+    down does not stop the configuration of the others. One that no earlier configuration holds is named in
+    unknown (its workers' ports are not known: not scraped until a run reaches it). report: one line for each of
+    those nodes."""
     configs, stale, unknown = [], [], []
     last_known = recorded_inference_targets(recorded)
     for service in services or []:
         if service.get("state") == "absent":
             continue
         name = str(service.get("name"))
-        for host in service_hosts(service, hostvars, hosts):
-            if node_gpus(hostvars, host) is None:
-                kept = [c for c in last_known if (c["labels"].get("node"), c["labels"].get("service")) == (host, name)]
+        # A worker's target is on its head, the first node of the nodes it spans (one node: itself).
+        for group in worker_node_groups(service, hostvars, hosts):
+            head, down = group[0], [node for node in group if node_gpus(hostvars, node) is None]
+            if down:
+                kept = [c for c in last_known if (c["labels"].get("node"), c["labels"].get("service")) == (head, name)]
                 configs += kept
-                (stale if kept else unknown).append(host)
+                (stale if kept else unknown).extend(down)
                 continue
-            jobs = fact(hostvars, host, "budgetgpu_jobs") or []
-            for worker in inference_workers(service, hostvars, host, jobs):
+            jobs = fact(hostvars, head, "budgetgpu_jobs") or []
+            for worker in inference_workers(service, hostvars, head, jobs, hosts):
                 labels = {
-                    "node": host,
+                    "node": head,
                     "service": str(worker["service"]),
                     "slot": str(worker["slot"]),
                     "unit": str(worker["unit"]),

@@ -129,6 +129,26 @@ def test_a_node_without_facts_keeps_its_last_targets_and_is_reported_stale_inste
         assert found["unknown"] == ["node1", "node9"]
 
 
+def test_a_worker_over_two_nodes_keeps_its_heads_last_targets_while_either_node_is_down():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+        inference_services_normalize,
+    )
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.monitoring import inference_scrape_targets
+
+    services = inference_services_normalize(
+        [
+            {"name": "chat", "engine": "llamacpp", "model": "/m/chat.gguf", "task": "generation",
+             "nodes": ["node1", "node2"], "nodes_per_worker": 2, "port": 8100,
+             "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 32}}
+        ]
+    )  # fmt: skip
+    # node1, the head, answered; node2, its RPC node, is down: the worker's placement is not known.
+    facts = {"budgetgpu_net": net("10.0.0.11", chosen="10.0.0.11"), "budgetgpu_gpus": {"gpus": [{"index": 0}]}}
+    found = inference_scrape_targets(services, {"node1": {"ansible_facts": facts}}, ["node1", "node2"], RECORDED)
+    assert [(c["targets"], c["labels"]["node"]) for c in found["configs"]] == [(["10.0.0.11:8100"], "node1")]
+    assert (found["stale"], found["unknown"]) == (["node2"], [])
+
+
 def test_a_node_with_facts_whose_placement_fails_still_fails():
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
         inference_services_normalize,
