@@ -559,6 +559,26 @@ def step_verdict(status: Mapping[str, Any] | None) -> list[str]:
     return lines
 
 
+def _rank0_status(status: Mapping[str, Any] | None, now: float) -> tuple[dict[str, Any], list[str]]:
+    """Return what rank 0's status file (parsed; None: no file) gives torchrun_job_status: {step, steps_per_s,
+    straggler, verdict} and its lines."""
+    if not isinstance(status, Mapping):
+        return {}, ["no status from rank 0 on this node (rank 0 writes it on the job's master)"]
+    found = {"step": status.get("step"), "steps_per_s": status.get("steps_per_s")}
+    found["straggler"] = status.get("straggler") or ""
+    age = now - float(status.get("time") or now)
+    lines = [
+        f"step {status.get('step')}, {float(status.get('steps_per_s') or 0):.2f} steps/s "
+        f"(rank 0's status of {age:.0f} s ago)",
+        found["straggler"] or "straggler: no report yet",
+    ]
+    if status.get("world_change"):
+        # Restarted on fewer GPUs than planned (a GPU taken out; sharding.keep_global_batch's words).
+        lines.append(f"world changed: {status['world_change']}")
+    found["verdict"] = step_verdict(status)
+    return found, lines + found["verdict"]
+
+
 def torchrun_job_status(
     job: Mapping[str, Any],
     unit: Mapping[str, str] | None,
@@ -591,22 +611,9 @@ def torchrun_job_status(
     lines = [f"job {job.get('name')}: unit {job.get('unit')} {state}, restarts {unit.get('NRestarts', '?')}"]
     result: dict[str, Any] = {"job": job.get("name"), "state": state, "step": None, "steps_per_s": None}
     result["straggler"], result["verdict"] = "", []
-    if isinstance(status, Mapping):
-        result.update(step=status.get("step"), steps_per_s=status.get("steps_per_s"))
-        result["straggler"] = status.get("straggler") or ""
-        age = now - float(status.get("time") or now)
-        lines.append(
-            f"step {status.get('step')}, {float(status.get('steps_per_s') or 0):.2f} steps/s "
-            f"(rank 0's status of {age:.0f} s ago)"
-        )
-        lines.append(result["straggler"] or "straggler: no report yet")
-        if status.get("world_change"):
-            # Restarted on fewer GPUs than planned (a GPU taken out; sharding.keep_global_batch's words).
-            lines.append(f"world changed: {status['world_change']}")
-        result["verdict"] = step_verdict(status)
-        lines += result["verdict"]
-    else:
-        lines.append("no status from rank 0 on this node (rank 0 writes it on the job's master)")
+    found, status_lines = _rank0_status(status, now)
+    result.update(found)
+    lines += status_lines
     run = energy.job_run_energy(
         energy_start,
         (gpus_facts or {}).get("gpus") or [],
