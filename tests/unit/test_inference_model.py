@@ -740,6 +740,8 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_check",
         "inference_memory_split",
         "inference_worker_command",
+        "inference_rpc_server_command",
+        "inference_binary_problems",
         "inference_gateway_allow",
         "inference_firewall_ports",
         "inference_gateway_keys",
@@ -1391,9 +1393,11 @@ def test_the_plan_names_each_workers_head_and_its_rpc_nodes_with_their_gpus():
     ]
     assert [w["rpc_servers"] for w in head["workers"]] == [
         [{"host": "node2", "slot": slot, "address": "10.0.0.12", "port": 8100 + slot,
-          "gpu_indices": [2 * slot, 2 * slot + 1], "gpu_uuids": [uuid(2 * slot), uuid(2 * slot + 1)]}]
+          "gpu_indices": [2 * slot, 2 * slot + 1], "gpu_uuids": [uuid(2 * slot), uuid(2 * slot + 1)],
+          "unit": f"budgetgpu-infer-chat.rpc@{slot}.service"}]
         for slot in (0, 1)
     ]  # fmt: skip
+    assert head["rpc_template"] == "budgetgpu-infer-chat.rpc@.service"
     # Only the heads serve: the gateway's upstreams are theirs.
     assert head["upstreams"] == ["10.0.0.11:8100", "10.0.0.11:8101"]
     rpc = inference_plan(item, hv, "node2", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
@@ -1411,12 +1415,77 @@ def test_the_plan_names_each_workers_head_and_its_rpc_nodes_with_their_gpus():
     ]
 
 
-def test_a_head_without_its_rpc_servers_is_not_rendered():
-    hv = rig(2, 1)
-    item = services(guide_70b(nodes_per_worker=2))[0]
+def test_a_head_runs_llama_server_with_its_rpc_servers_in_device_order():
+    # Before issue 43's units, a head with RPC servers was refused here; now it names them, node order, as
+    # llama.cpp's --rpc takes them (their GPUs first in --tensor-split, then the head's own).
+    hv = rig(3, 1)
+    item = services(guide_70b(nodes_per_worker=3))[0]
     worker_ = placement.inference_workers(item, hv, "node1", [], list(hv))[0]
-    with pytest.raises(ValueError, match="nodes_per_worker: found 2, expected 1: the RPC servers of a worker over"):
-        engines.inference_worker_command(item, worker_, None, None, "/opt/llama-server")
+    argv = engines.inference_worker_command(item, worker_, None, None, "/opt/llama-server")
+    assert argv[argv.index("--rpc") + 1] == "10.0.0.12:8100,10.0.0.13:8100"
+    assert argv[argv.index("--tensor-split") + 1] == "1,1,1"
+    # A worker of one node has none.
+    single = placement.inference_workers(services(guide_70b())[0], hv, "node1", [], list(hv))[0]
+    assert "--rpc" not in engines.inference_worker_command(item, single, None, None, "/opt/llama-server")
+
+
+def test_an_rpc_server_listens_on_its_nodes_cluster_address_and_port_with_its_cache():
+    hv = rig(2, 2)
+    item = services(guide_70b(nodes_per_worker=2))[0]
+    servers = placement.inference_rpc_servers(item, hv, "node2", list(hv), [])
+    binary = "/usr/local/lib/budgetgpu/ggml-rpc-server"
+    assert [engines.inference_rpc_server_command(server, binary) for server in servers] == [
+        [binary, "--host", "10.0.0.12", "--port", str(8100 + slot), "--cache"] for slot in (0, 1)
+    ]
+    with pytest.raises(ValueError, match="service chat: rpc_server: found none, expected ggml-rpc-server's path"):
+        engines.inference_rpc_server_command(servers[0], "")
+
+
+def test_the_rpc_ports_admit_their_workers_head_alone_and_root_from_the_node():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+
+    hv = rig(4, 2)
+    # Two workers of two nodes each: node1 heads node2's RPC servers, node3 heads node4's.
+    item = services(guide_70b(nodes_per_worker=2, nodes=["node1", "node2", "node3", "node4"]))[0]
+    rpc = inference_plan(item, hv, "node2", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
+    assert gateway.inference_firewall_ports([], [], ["monitor"], [], [rpc]) == [
+        {
+            "port": [8100, 8101],
+            "what": "chat RPC servers of node1",
+            "only": "the head node1 only",
+            "hosts": ["node1"],
+            "extra": ["10.0.0.11"],
+            "inputs": "service chat: nodes and nodes_per_worker (a worker's head is its first node)",
+            "local": [],
+        }
+    ]
+    other = inference_plan(item, hv, "node4", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
+    assert [e["hosts"] for e in gateway.inference_firewall_ports([], [], ["monitor"], [], [other])] == [["node3"]]
+    # A head opens no RPC port; an absent service none.
+    head = inference_plan(item, hv, "node1", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
+    assert [e["what"] for e in gateway.inference_firewall_ports([head], [], ["monitor"], [], [])] == ["chat workers"]
+    assert gateway.inference_firewall_ports([], [], ["monitor"], [], [{**rpc, "state": "absent"}]) == []
+
+
+def test_a_llama_cpp_binary_of_another_build_is_named_with_node_path_and_both_digests():
+    wanted = [
+        {"item": {"src": f"/build/{name}", "dest": f"/usr/local/lib/budgetgpu/{name}"}, "stat": {"checksum": digest}}
+        for name, digest in (("llama-server", "aa"), ("ggml-rpc-server", "bb"))
+    ]
+    found = [
+        {"item": ["node1", "/usr/local/lib/budgetgpu/llama-server"], "stat": {"exists": True, "checksum": "aa"}},
+        {"item": ["node1", "/usr/local/lib/budgetgpu/ggml-rpc-server"], "stat": {"exists": True, "checksum": "bb"}},
+        {"item": ["node2", "/usr/local/lib/budgetgpu/ggml-rpc-server"], "stat": {"exists": True, "checksum": "cc"}},
+        {"item": ["node3", "/usr/local/lib/budgetgpu/ggml-rpc-server"], "stat": {"exists": False}},
+    ]
+    advice = "(llama.cpp's RPC needs one build on every node of a worker: run playbooks/inference.yml on all of them)"
+    assert checks.inference_binary_problems(found, wanted) == [
+        "node2: /usr/local/lib/budgetgpu/ggml-rpc-server: found sha256 cc, expected sha256 bb, the control node's "
+        f"/build/ggml-rpc-server {advice}",
+        "node3: /usr/local/lib/budgetgpu/ggml-rpc-server: found no such file, expected sha256 bb, the control node's "
+        f"/build/ggml-rpc-server {advice}",
+    ]
+    assert checks.inference_binary_problems(found[:2], wanted) == []
 
 
 @pytest.mark.parametrize(

@@ -393,6 +393,32 @@ def llama_server_problems(services: list[Mapping[str, Any]], llama_server: Mappi
     ]
 
 
+def inference_binary_problems(found: list[Mapping[str, Any]], wanted: list[Mapping[str, Any]]) -> list[str]:
+    """Return each llama.cpp binary on a node that is not the control node's build: ``found``, the results
+    of a looped stat with item [node, path on the node] (checksum: its SHA-256); ``wanted``, those of the
+    control node's files with item {src, dest}. llama.cpp's RPC breaks between builds that differ, so a
+    node, its path and both digests are named before any worker or RPC server starts."""
+    expected = {
+        str(result["item"]["dest"]): (str(result["item"]["src"]), (result.get("stat") or {}).get("checksum"))
+        for result in wanted
+        if isinstance(result.get("item"), Mapping)
+    }
+    problems = []
+    for result in found:
+        host, path = result["item"]
+        src, digest = expected.get(str(path), (None, None))
+        if digest is None:
+            continue
+        stat = result.get("stat") or {}
+        if stat.get("checksum") != digest:
+            what = f"sha256 {stat['checksum']}" if stat.get("exists") else "no such file"
+            problems.append(
+                f"{host}: {path}: found {what}, expected sha256 {digest}, the control node's {src} (llama.cpp's RPC "
+                "needs one build on every node of a worker: run playbooks/inference.yml on all of them)"
+            )
+    return problems
+
+
 def inference_check(
     services: list[Mapping[str, Any]],
     hostvars: Mapping[str, Any],

@@ -7,6 +7,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import inference_context_tokens
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import _per_worker
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
@@ -120,17 +121,12 @@ def inference_llamacpp_command(
     holding max_input_tokens + max_new_tokens (-c, llamacpp_context), max_new_tokens as the default
     completion length (-n), /metrics on, every layer on the GPU (-ngl all: a CPU build ignores it, with
     a warning), the layers split over the worker's GPUs by its tensor_split (placement's, the split
-    preflight checks: each GPU's memory, or the service's tensor_split),
-    --embeddings for task embeddings, no web UI, no slot endpoints (--no-slots). No API key: the
+    preflight checks: each GPU's memory, or the service's tensor_split), a worker over several nodes
+    --rpc to its RPC servers (address:port, in the worker's rpc_servers order: llama-server's device
+    order), --embeddings for task embeddings, no web UI, no slot endpoints (--no-slots). No API key: the
     gateway checks the clients' keys and takes the header off, and the firewall admits only the
     gateway (and Prometheus)."""
     _raise_first(service, _bad_llamacpp(service))
-    if worker.get("rpc_servers"):
-        # A head without its RPC servers would fail at every start: their units come with issue 43's item 1.
-        raise ValueError(
-            f"service {service.get('name')}: nodes_per_worker: found {service.get('nodes_per_worker')}, expected 1: "
-            "the RPC servers of a worker over several nodes are not rendered yet"
-        )
     if not llama_server:
         raise ValueError(f"service {service.get('name')}: llama_server: found none, expected llama-server's path")
     argv = [str(llama_server)]
@@ -149,9 +145,23 @@ def inference_llamacpp_command(
     # No slot endpoints (/slots: read, save, restore or erase another client's KV cache); the gateway
     # passes none of llama-server's own paths either (inference_gateway_routes).
     argv += ["--metrics", "--no-webui", "--no-slots"]
+    if worker.get("rpc_servers"):
+        argv += ["--rpc", ",".join(endpoint(server["address"], server["port"]) for server in worker["rpc_servers"])]
     split = worker.get("tensor_split") or []
     if len(split) > 1:
         argv += ["--tensor-split", ",".join(f"{share:g}" for share in split)]
     if service.get("task") == "embeddings":
         argv.append("--embeddings")
     return argv
+
+
+def inference_rpc_server_command(server: Mapping[str, Any], rpc_server: str | None = None) -> list[str]:
+    """Return the argv of a llama.cpp RPC server's unit (one of inference_plan's rpc_servers):
+    <rpc_server> listening on the node's cluster address and the server's port (never every address:
+    it has no authentication; the firewall admits the worker's head alone), --cache: the tensors the
+    head sends are kept in $LLAMA_CACHE/rpc (the unit's cache directory), so a restart of the group
+    loads them from the node's disk instead of the network. Its GPUs are the unit's
+    (CUDA_VISIBLE_DEVICES); it serves every one it sees."""
+    if not rpc_server:
+        raise ValueError(f"service {server.get('service')}: rpc_server: found none, expected ggml-rpc-server's path")
+    return [str(rpc_server), *_flags({"--host": server.get("address"), "--port": server.get("port")}), "--cache"]

@@ -45,12 +45,19 @@ def inference_gateway_allow(
 
 
 def inference_firewall_ports(
-    plan: list[Mapping[str, Any]], gateways: list[Mapping[str, Any]], scrapers: list[str], scrapers_extra: list[str]
+    plan: list[Mapping[str, Any]],
+    gateways: list[Mapping[str, Any]],
+    scrapers: list[str],
+    scrapers_extra: list[str],
+    rpc_plan: list[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Return the entries of a node's inference firewall table (role firewall, filter firewall_rules):
     each service's workers, which answer anyone (no authentication), from its gateway and the
     Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
-    that is empty. ``plan`` and ``gateways`` are role inference's entries of this node."""
+    that is empty; the llama.cpp RPC servers of each worker over several nodes from that worker's head
+    alone (every address of it, and its cluster address), from no local user but root (the head is
+    always another node). ``plan``, ``gateways`` and ``rpc_plan`` (those with rpc_servers here) are
+    role inference's entries of this node."""
     entries = []
     for svc in plan:
         ports = sorted(int(worker["port"]) for worker in svc.get("workers") or [])
@@ -79,7 +86,27 @@ def inference_firewall_ports(
                     "inputs": f"service {svc['name']}: gateway.allow",
                 }
             )
-    return entries
+    return entries + [entry for svc in rpc_plan or [] if svc.get("state") != "absent" for entry in _rpc_entries(svc)]
+
+
+def _rpc_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The firewall entries of a service's llama.cpp RPC servers on a node, one per worker's head: the RPC
+    server has no authentication (whoever reaches it runs tensors on its GPUs), so its head alone."""
+    heads: dict[str, list[Mapping[str, Any]]] = {}
+    for server in svc.get("rpc_servers") or []:
+        heads.setdefault(str(server["head"]), []).append(server)
+    return [
+        {
+            "port": sorted(int(server["port"]) for server in servers),
+            "what": f"{svc['name']} RPC servers of {head}",
+            "only": f"the head {head} only",
+            "hosts": [head],
+            "extra": sorted({str(server["head_address"]) for server in servers}),
+            "inputs": f"service {svc['name']}: nodes and nodes_per_worker (a worker's head is its first node)",
+            "local": [],
+        }
+        for head, servers in heads.items()
+    ]
 
 
 def gateway_problems(

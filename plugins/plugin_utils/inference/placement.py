@@ -18,6 +18,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.servic
     GPUS_PER_WORKER,
     _as_int,
     _is_int,
+    rpc_unit_name,
     unit_name,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
@@ -241,6 +242,7 @@ def _workers(
                     "port": port + slot,
                     "gpu_indices": [gpu.get("index") for gpu in gpus],
                     "gpu_uuids": [gpu.get("uuid") for gpu in gpus],
+                    "unit": rpc_unit_name(name, slot),
                 }
                 for node, gpus in layout[1:]
             ]
@@ -259,8 +261,9 @@ def inference_workers(
     """Return the workers of the service whose head is host, one per gpus_per_worker GPUs ([] where host
     is not a node of it, or only an RPC node): {service, host, slot, gpu_index, gpu_uuid (its first
     GPU's), gpu_indices, gpu_uuids, port, address, unit}; engine llamacpp adds rpc_servers ([{host, slot,
-    address, port, gpu_indices, gpu_uuids}], the other nodes of a worker that spans nodes_per_worker nodes,
-    else []) and tensor_split (each GPU's share, in llama-server's device order). Slot i listens on port + i.
+    address, port, gpu_indices, gpu_uuids, unit}], the other nodes of a worker that spans nodes_per_worker
+    nodes, in llama-server's --rpc order, else []) and tensor_split (each GPU's share, in llama-server's
+    device order). Slot i listens on port + i.
     hosts: the inventory's hosts, which order a group of nodes (default: hostvars' order)."""
     if not serves_on(service, hostvars, host):
         return []
@@ -288,8 +291,8 @@ def inference_rpc_servers(
     jobs: list[Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Return the llama.cpp RPC servers host runs for the service's workers that span nodes: {host, slot,
-    address, port, gpu_indices, gpu_uuids, service, head, head_address} (head: the worker's head node,
-    which alone connects to it); [] on a head or a node of a worker of one node."""
+    address, port, gpu_indices, gpu_uuids, unit (rpc_unit_name), service, head, head_address} (head: the
+    worker's head node, which alone connects to it); [] on a head or a node of a worker of one node."""
     group = next((g for g in worker_node_groups(service, hostvars, hosts) if host in g[1:]), None)
     if group is None:
         return []

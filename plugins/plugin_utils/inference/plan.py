@@ -24,6 +24,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placem
     inference_upstreams,
     inference_workers,
 )
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import rpc_unit_name
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_address
 
 
@@ -48,8 +49,8 @@ def inference_plan(
     """Return the service on host: {service, name, state, workers (inference_workers: those whose head is
     host), rpc_servers (inference_rpc_servers: the llama.cpp RPC servers host runs for workers headed on
     another node), is_gateway, upstreams (every worker of every node: the gateway's alone, while the
-    service is not absent), model_dir,
-    config_file, template, gateway_host, gateway_port, gateway_address (its address, nodes.node_address:
+    service is not absent), model_dir, config_file, template, rpc_template (the unit template of its
+    llama.cpp RPC servers), gateway_host, gateway_port, gateway_address (its address, nodes.node_address:
     what alone may reach the workers), allow (inference_gateway_allow), listen (gateway.listen, else the
     gateway's address), rates (the gateway's, as upstreams), body_limits, max_conns, routes, context_tokens}."""
     gateway_host = inference_gateway_host(service, hostvars, hosts)
@@ -69,6 +70,7 @@ def inference_plan(
         "model_dir": service.get("model_dir"),
         "config_file": service.get("config_file"),
         "template": service.get("unit_template"),
+        "rpc_template": rpc_unit_name(str(service.get("name"))),
         "gateway_host": gateway_host,
         "gateway_port": gateway.get("port"),
         "gateway_address": gateway_address,

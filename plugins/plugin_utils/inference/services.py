@@ -252,6 +252,13 @@ def unit_name(name: str, slot: int | str = "") -> str:
     return f"{UNIT_PREFIX}{name}@{slot}.service"
 
 
+def rpc_unit_name(name: str, slot: int | str = "") -> str:
+    """Return a llama.cpp RPC server's unit: "budgetgpu-infer-<name>.rpc@<slot>.service" (no slot: the
+    template). No service name holds a dot, so it is no service's worker; the prefix is the workers'
+    (role gpu_power's drop-in for "budgetgpu-infer-" orders it after the power caps too)."""
+    return f"{UNIT_PREFIX}{name}.rpc@{slot}.service"
+
+
 def _nearest(value: Any, choices: Any) -> str:
     match = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
     return f" (did you mean {match[0]}?)" if match else ""

@@ -1,0 +1,140 @@
+"""roles/inference's llama.cpp RPC server (issue 43 item 1) as the role renders it for a worker over two nodes of
+two GPUs each: the unit (budgetgpu-infer-rpc.service.j2, the workers' user and sandbox) and each server's drop-in
+(rpc-server.conf.j2: its GPUs pinned as a worker's, its node's cluster address and port, its cache directory), and
+the firewall table (role _firewall's template) admitting the worker's head alone to the RPC ports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import inference_firewall_ports
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_firewall import render, rules, sets
+
+REPO = Path(__file__).resolve().parents[3]
+UUIDS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(2)]
+HOSTVARS = {
+    f"node{n}": {
+        "group_names": ["inference_nodes"],
+        "ansible_facts": {
+            "budgetgpu_gpus": {
+                "gpus": [
+                    {"index": i, "uuid": u.replace("3090", f"{n}090"), "memory_total_mib": 24576}
+                    for i, u in enumerate(UUIDS)
+                ]
+            }
+        },
+        "ansible_host": f"10.0.0.1{n}",
+    }
+    for n in (1, 2)
+}
+SERVICE = services.inference_services_normalize(
+    [
+        {
+            "name": "chat",
+            "engine": "llamacpp",
+            "model": "/srv/models/tiny.gguf",
+            "task": "generation",
+            "nodes": ["node1", "node2"],
+            "nodes_per_worker": 2,
+            "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 32},
+            "port": 8100,
+        }
+    ]
+)[0]
+PLAYBOOK = """\
+- name: Render one llama.cpp RPC server's unit and drop-in as role inference does
+  hosts: all
+  gather_facts: false
+  vars_files:
+    - "{{ test_repo }}/roles/inference/vars/main.yml"
+  tasks:
+    - name: Render the unit template
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/inference/templates/budgetgpu-infer-rpc.service.j2"
+        dest: "{{ test_out }}/unit"
+        mode: "0644"
+      vars:
+        _inference_svc: "{{ test_plan }}"
+
+    - name: Render the drop-in of each server
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/inference/templates/rpc-server.conf.j2"
+        dest: "{{ test_out }}/{{ _inference_rpc_pair.1.slot }}.conf"
+        mode: "0644"
+      loop: "{{ [test_plan] | subelements('rpc_servers') }}"
+      loop_control:
+        loop_var: _inference_rpc_pair
+"""
+
+
+def rendered(tmp_path: Path) -> dict[str, str]:
+    plan = inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [])
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_playbook(
+        tmp_path, PLAYBOOK, {"test_repo": str(REPO), "test_out": str(out), "test_plan": plan}, host="node2"
+    )
+    assert result.returncode == 0, output_of(result)
+    return {path.name: path.read_text() for path in out.iterdir()}
+
+
+def directives(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith(("#", "["))]
+
+
+def test_the_rpc_server_runs_as_the_workers_user_in_the_workers_sandbox(tmp_path):
+    files = rendered(tmp_path)
+    unit = directives(files["unit"])
+    assert "User=budgetgpu-infer" in unit and "Group=budgetgpu-infer" in unit
+    # The workers' sandbox, from the one template both units include.
+    worker = (REPO / "roles/inference/templates/budgetgpu-infer.service.j2").read_text()
+    assert "{% include 'unit-sandbox.j2' %}" in worker
+    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes",
+                 "CapabilityBoundingSet=", "DevicePolicy=closed", "DeviceAllow=char-nvidia-uvm rw"):  # fmt: skip
+        assert line in unit, line
+    assert "Restart=always" in unit
+    assert "ExecStartPre=+/bin/rm -f /var/lib/budgetgpu/inference/%n.restart-pending" in unit
+
+
+def test_each_rpc_server_is_pinned_to_its_gpus_listens_on_the_cluster_address_and_caches_in_its_own_directory(
+    tmp_path,
+):
+    files = rendered(tmp_path)
+    for slot in (0, 1):
+        conf = directives(files[f"{slot}.conf"])
+        uuid = UUIDS[slot].replace("3090", "2090")
+        # One GPU each (gpus_per_worker 1), by UUID, and only its device node beside the control ones.
+        assert f"Environment=CUDA_VISIBLE_DEVICES={uuid} CUDA_DEVICE_ORDER=PCI_BUS_ID" in conf
+        gpus = [line for line in conf if line.startswith("DeviceAllow=/dev/char/195:")]
+        assert f"DeviceAllow=/dev/char/195:{slot} rw" in gpus
+        assert f"DeviceAllow=/dev/char/195:{1 - slot} rw" not in gpus
+        health = 'ExecCondition=/bin/sh -c \'test ! -x "$1" || exec "$1" check "$2"\' sh /usr/local/bin/gpu-health'
+        assert f"{health} {uuid}" in conf
+        cache = f"/var/lib/budgetgpu/inference/rpc-cache/chat@{slot}"
+        assert f"Environment=LLAMA_CACHE={cache}" in conf
+        assert f"ReadWritePaths={cache}" in conf
+        binary = "/usr/local/lib/budgetgpu/ggml-rpc-server"
+        assert f'ExecStart="{binary}" "--host" "10.0.0.12" "--port" "{8100 + slot}" "--cache"' in conf
+
+
+def test_the_rpc_ports_admit_the_head_alone_another_node_and_an_outsider_are_reset():
+    plan = inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [])
+    entries = inference_firewall_ports([], [], ["monitor"], [], [plan])
+    text = render(entries, "budgetgpu_inference", passwd={"root": ["x", "0"], "budgetgpu-infer": ["x", "998"]})
+    assert rules(text) == [
+        "tcp dport { 8100, 8101 } ip saddr @chat_rpc_servers_of_node1_v4 accept",
+        "tcp dport { 8100, 8101 } ip6 saddr @chat_rpc_servers_of_node1_v6 accept",
+        'tcp dport { 8100, 8101 } counter reject with tcp reset comment "budgetgpu: chat RPC servers of node1, the head'
+        ' node1 only"',
+        # From the node itself, root alone (not the workers' user, nor a job's).
+        "tcp dport { 8100, 8101 } ct state new fib daddr type local meta skuid != { 0 } counter reject with tcp reset"
+        ' comment "budgetgpu: chat RPC servers of node1, from this node root only"',
+    ]
+    found = sets(text)
+    # The head's addresses only (render's facts: node1 has 10.0.0.11, monitor 10.0.0.13 and fd00::13): node2
+    # itself (10.0.0.12), Prometheus (monitor) and anyone else get the reset.
+    assert "elements = { 10.0.0.11 }" in found["chat_rpc_servers_of_node1_v4"]
+    assert "elements" not in found["chat_rpc_servers_of_node1_v6"]
