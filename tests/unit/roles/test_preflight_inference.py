@@ -137,7 +137,8 @@ def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_
     said = " ".join(proc.stdout.split())  # the YAML callback folds long lines
     for words in (
         f"fake1 GPU 0 ({RTX}, 24576 MiB): service chat: 502 MiB (layers 0-1 of 2 + the output layer on device 0",
-        "KV cache 2 layers x 1 MiB (2 x 2 KV heads x 32 x 2 B x 4608 tokens) = 2 MiB + 500 MiB CUDA context) of 24.0 GiB",
+        "KV cache 2 layers x 1 MiB (2 x 2 KV heads x 32 x 2 B x 4608 tokens) = 2 MiB + 500 MiB CUDA context) "
+        "of 24.0 GiB",
     ):
         assert words in said, said[-3000:]
 
