@@ -37,6 +37,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpt2 import GPT2_SIZES, gpt2_params
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.driver import parse_compute_capability
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
     CUDA_CONTEXT_BYTES,
@@ -55,13 +56,14 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import nod
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _bad_sharding, _line, _problem
 
 GIB = 2**30
-# Published shapes: the guide's GPT-2 sizes (the example trainer's and tests/benchmarks/fsdp_memory.py's)
-# and the Llama sizes of the guide's FAQ. seq_len is the model's context; a job's model keys override any.
+# Published shapes: the guide's GPT-2 sizes (module_utils/gpt2.py, the table the example trainer's
+# --gpt2-size builds from) and the Llama sizes of the guide's FAQ. seq_len is the model's context; a job's
+# model keys override any.
 PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2-124m": {"params": 124_439_808, "layers": 12, "width": 768, "vocab": 50257, "seq_len": 1024},
-    "gpt2-355m": {"params": 354_823_168, "layers": 24, "width": 1024, "vocab": 50257, "seq_len": 1024},
-    "gpt2-774m": {"params": 774_030_080, "layers": 36, "width": 1280, "vocab": 50257, "seq_len": 1024},
-    "gpt2-1.5b": {"params": 1_557_611_200, "layers": 48, "width": 1600, "vocab": 50257, "seq_len": 1024},
+    **{
+        f"gpt2-{name}": {"params": gpt2_params(size), **{k: size[k] for k in ("layers", "width", "vocab", "seq_len")}}
+        for name, size in GPT2_SIZES.items()
+    },
     "llama-7b": {"params": 6_738_415_616, "layers": 32, "width": 4096, "vocab": 32000, "seq_len": 2048},
     "llama-13b": {"params": 13_015_864_320, "layers": 40, "width": 5120, "vocab": 32000, "seq_len": 2048},
 }

@@ -4,6 +4,7 @@ resume from the newest readable one, loss going down; in-process on CPU, and wit
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.gpt2 import gpt2_params
 
 torch = pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
 
@@ -73,6 +75,24 @@ def test_a_second_run_resumes_where_the_first_stopped(train, capsys, tmp_path):
     other = tmp_path / "straight"
     straight = run(train, capsys, "--max-steps", "40", "--log-every", "5", "--checkpoint-dir", str(other))
     assert steps_and_losses(straight)[-1] == pytest.approx(steps_and_losses(second)[-1], abs=1e-3)
+
+
+def test_gpt2_is_the_planners_size_and_learns_the_text(train, capsys, tmp_path):
+    for size in ("tiny", "1.5b"):
+        with torch.device("meta"):  # the guide's 1.5B, without its 6 GB
+            model = train.GPT2Model(train.GPT2[size])
+        assert sum(p.numel() for p in model.parameters()) == gpt2_params(train.GPT2[size])
+    assert gpt2_params(train.GPT2["1.5b"]) == 1_557_611_200
+    # A rank's windows start in its shard of the text (rank, rank + world, ...); labels are the next tokens.
+    positions = torch.arange(1000)
+    inputs, labels = train.text_batch(positions, 0, 2, 8, 3, 1, 5)
+    assert inputs.shape == (5, 8) and torch.equal(labels, inputs + 1) and (inputs[:, 0] % 2 == 1).all()
+    assert torch.equal(train.text_batch(positions, 0, 2, 8, 3, 1, 5)[0], inputs)
+    lines = run(train, capsys, "--model", "gpt2", "--lr", "3e-3", "--max-steps", "40", "--log-every", "5",
+                "--checkpoint-every-minutes", "0", "--checkpoint-dir", str(tmp_path))  # fmt: skip
+    losses = steps_and_losses(lines)
+    # Knowing nothing is a guess of 1/256 a byte (ln 256 = 5.55 nats); forty steps learn the text's bytes.
+    assert losses[-1][1] < losses[0][1] and losses[-1][1] < 0.65 * math.log(256), losses
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(train, capsys, tmp_path):

@@ -9,7 +9,10 @@ Launch it with torchrun (the budgetgpu-job-<name> unit does):
 An MLP learns a fixed random "teacher" on synthetic data (the same for a given seed and step, so
 a resumed run sees the data it would have seen), with gradient clipping. By default it is small; with
 `--hidden 2048 --layers 3` it has 12.6 M parameters (50 MB of gradients per step), enough for the
-all-reduce to show on a slow network. Batches come from a DataLoader with `--data-workers` worker
+all-reduce to show on a slow network. `--model gpt2 --gpt2-size tiny|124m|355m|774m|1.5b` trains GPT-2 instead,
+the guide's benchmark row at 1.5b: its architecture in plain torch with random weights (nothing downloaded), on
+real text that ships with Python (the reference manual's help topics, pydoc_data) tokenised as bytes, each rank
+from its own shard of the text (docs/training.md). Batches come from a DataLoader with `--data-workers` worker
 processes; `--data-delay` slows each batch on purpose (a loader that does not keep up). NCCL on GPUs,
 gloo on CPU. Every node's local rank 0 writes a checkpoint every N minutes and/or steps, atomically
 (temporary file, fsync, rename); at start all ranks agree on the newest checkpoint any node has
@@ -65,6 +68,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -72,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 # Installed beside this script (the script's directory is the first entry of sys.path).
+from budgetgpu_node.gpt2 import GPT2_SIZES, GPT2_TINY
 from budgetgpu_node.sharding import ShardSettings, Wrapped, load_sharded, local_shard_numel, save_sharded, wrap_model
 from budgetgpu_node.straggler import CommSettings, Finding, StepTimer, every_steps_from_env, write_status
 from torch import nn
@@ -79,6 +84,11 @@ from torch.utils.data import DataLoader, Dataset
 
 CHECKPOINT = re.compile(r"^step-(\d{8,})\.pt$")
 FEATURES, CLASSES = 32, 4
+# --gpt2-size: the test size and GPT-2's released ones (budgetgpu_node.gpt2, the memory planner's table too).
+GPT2 = {"tiny": GPT2_TINY, **GPT2_SIZES}
+# Each model's defaults: the MLP's plain SGD, GPT-2's AdamW (the optimizer the memory planner plans: 16 bytes a
+# parameter in fp32) and a micro-batch of 4 contexts (the planner's gpt2-1.5b example).
+MODEL_DEFAULTS = {"mlp": {"lr": 0.05, "batch_size": 64}, "gpt2": {"lr": 6e-4, "batch_size": 4}}
 # Exit status of a rank that stopped because another node was stopped (not finished, not failed).
 STOPPED_BY_PEER = 75
 # The ranks agree on a stop about this often (seconds), never more than every MAX_STOP_GAP steps apart.
@@ -90,20 +100,31 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's options (the learning rate and batch size default by model: MODEL_DEFAULTS)."""
+    parser.add_argument(
+        "--model", choices=tuple(MODEL_DEFAULTS), default="mlp", help="an MLP on synthetic data, or GPT-2 on text"
+    )
+    parser.add_argument("--gpt2-size", choices=tuple(GPT2), default="tiny", help="--model gpt2: GPT-2's size")
+    parser.add_argument(
+        "--batch-size", type=int, help="samples (gpt2: contexts) per process and micro-batch; mlp 64, gpt2 4"
+    )
+    parser.add_argument("--lr", type=float, help="learning rate; mlp 0.05 (SGD), gpt2 6e-4 (AdamW)")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the MLP's hidden layers")
+    parser.add_argument(
+        "--layers", type=int, default=0, help="hidden x hidden layers between input and output (3 with 2048: 50 MB)"
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=1000, help="stop after this many optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per process and step")
-    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
-    parser.add_argument(
-        "--layers", type=int, default=0, help="hidden x hidden layers between input and output (3 with 2048: 50 MB)"
-    )
+    add_model_arguments(parser)
     parser.add_argument("--data-workers", type=int, default=1, help="DataLoader worker processes (0: in the rank)")
     parser.add_argument(
         "--data-delay", type=float, default=0.0, help="seconds each batch takes to load, on purpose (a slow loader)"
     )
-    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 logs every N steps")
@@ -137,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rank 0 writes the job's status (JSON) here at every log line; empty: none",
     )
     args = parser.parse_args(argv)
+    for key, value in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.max_steps < 0 or args.log_every < 1 or args.keep_checkpoints < 1 or args.straggler_every_steps < 0:
         parser.error("--max-steps and --straggler-every-steps must be >= 0, --log-every and --keep-checkpoints >= 1")
     if args.layers < 0 or args.data_workers < 0 or args.data_delay < 0:
@@ -302,21 +326,106 @@ def make_model(hidden: int, seed: int, layers: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), *middle, nn.Linear(hidden, CLASSES))
 
 
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        heads = (t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        attended = nn.functional.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    """GPT-2's block: LayerNorm before attention and before the MLP, each added to the residual stream."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT2Model(nn.Module):
+    """GPT-2's architecture from a size of budgetgpu_node.gpt2 (layers, width, heads, vocab, seq_len), with
+    GPT-2's initialisation and random weights: token and position embeddings, the blocks (a ModuleList: the units
+    budgetgpu_node.sharding's blocks_of finds, that FSDP shards one by one), a final LayerNorm, and an output head
+    tied to the token embedding."""
+
+    def __init__(self, size: dict[str, int]) -> None:
+        super().__init__()
+        width = size["width"]
+        self.tokens = nn.Embedding(size["vocab"], width)
+        self.positions = nn.Embedding(size["seq_len"], width)
+        self.blocks = nn.ModuleList(Block(width, size["heads"]) for _block in range(size["layers"]))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, size["vocab"], bias=False)
+        self.head.weight = self.tokens.weight
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif param.dim() > 1:
+                # GPT-2 scales the projections into the residual stream by 1/sqrt(2 x layers).
+                residual = name.endswith(("attn.proj.weight", "mlp.2.weight"))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * size["layers"]) if residual else 0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def batch_generator(seed: int, micro: int, rank: int) -> torch.Generator:
+    """The random numbers of micro-batch `micro` of `rank`: the same for a given seed, so a resumed run sees the
+    data an uninterrupted one would have."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + micro * 1009 + rank)
+
+
 def synthetic_batch(seed: int, step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the batch of (step, rank): inputs and the labels a fixed random teacher gives them."""
     teacher = torch.Generator().manual_seed(seed)
     weights = torch.randn(FEATURES, CLASSES, generator=teacher)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
-    inputs = torch.randn(batch, FEATURES, generator=gen)
+    inputs = torch.randn(batch, FEATURES, generator=batch_generator(seed, step, rank))
     return inputs, (inputs @ weights).argmax(dim=1)
 
 
-class SyntheticBatches(Dataset):
-    """The batches of one rank from micro-batch `first` on (synthetic_batch's), each `delay` seconds
+def text_tokens() -> torch.Tensor:
+    """The corpus, tokenised as bytes (0-255): the English text of the Python reference manual's help topics,
+    which ships with every CPython in its standard library (pydoc_data.topics, about 460 KB; the PSF licence),
+    its topics in order of name. Every rank reads the same text on a node (the job venv's Python)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long()
+
+
+def text_batch(
+    tokens: torch.Tensor, seed: int, world: int, context: int, micro: int, rank: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return micro-batch `micro` of `rank`: `batch` windows of `context` tokens from the rank's shard of the
+    text (the windows that start at rank, rank + world, rank + 2 world, ...) and each token's next token."""
+    starts = (len(tokens) - context - 1 - rank) // world + 1
+    first = torch.randint(starts, (batch, 1), generator=batch_generator(seed, micro, rank)) * world + rank
+    windows = tokens[first + torch.arange(context + 1)]
+    return windows[:, :-1], windows[:, 1:]
+
+
+class Batches(Dataset):
+    """The batches of one rank from micro-batch `first` on (batch_of(micro, rank, batch)), each `delay` seconds
     late on purpose; a DataLoader's workers build them while the rank trains."""
 
-    def __init__(self, seed: int, rank: int, batch: int, first: int, count: int, delay: float = 0.0) -> None:
-        self.seed, self.rank, self.batch, self.first, self.count, self.delay = seed, rank, batch, first, count, delay
+    def __init__(self, batch_of: Any, rank: int, batch: int, first: int, count: int, delay: float = 0.0) -> None:
+        self.batch_of, self.rank, self.batch, self.first, self.count = batch_of, rank, batch, first, count
+        self.delay = delay
 
     def __len__(self) -> int:
         return self.count
@@ -324,7 +433,7 @@ class SyntheticBatches(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.delay:
             time.sleep(self.delay)
-        return synthetic_batch(self.seed, self.first + index, self.rank, self.batch)
+        return self.batch_of(self.first + index, self.rank, self.batch)
 
 
 def _quiet_worker(_worker_id: int) -> None:
@@ -334,10 +443,15 @@ def _quiet_worker(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def batches(args: argparse.Namespace, rank: int, step: int, accumulate: int) -> DataLoader:
-    """The loader of the micro-batches after `step` (micro-batch n of step s is (s - 1) * accumulate + n)."""
+def batches(args: argparse.Namespace, rank: int, step: int, accumulate: int, world: int = 1) -> DataLoader:
+    """The loader of the micro-batches after `step` (micro-batch n of step s is (s - 1) * accumulate + n): the
+    MLP's synthetic ones, or GPT-2's windows of the text from this rank's shard of it."""
     first, count = step * accumulate + 1, max(args.max_steps - step, 0) * accumulate
-    dataset = SyntheticBatches(args.seed, rank, args.batch_size, first, count, args.data_delay)
+    if args.model == "gpt2":
+        batch_of = partial(text_batch, text_tokens(), args.seed, world, GPT2[args.gpt2_size]["seq_len"])
+    else:
+        batch_of = partial(synthetic_batch, args.seed)
+    dataset = Batches(batch_of, rank, args.batch_size, first, count, args.data_delay)
     workers = args.data_workers
     return DataLoader(dataset, batch_size=None, num_workers=workers, worker_init_fn=_quiet_worker if workers else None)
 
@@ -485,7 +599,8 @@ def train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, data: Any, ct
             inputs, labels = next(data)
         with fwd_bwd:
             logits = wrapped.forward(inputs.to(ctx.device))
-            loss = nn.functional.cross_entropy(logits.float(), labels.to(ctx.device))
+            # GPT-2's logits are (batch, context, vocab): every position predicts its next token.
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.to(ctx.device).flatten())
             wrapped.backward(loss / timer.accumulate_steps)
     wrapped.step(optimizer, clip)
     return loss.detach()
@@ -493,16 +608,27 @@ def train_step(wrapped: Wrapped, optimizer: torch.optim.Optimizer, data: Any, ct
 
 def prepare(args: argparse.Namespace, ctx: Dist) -> tuple[Wrapped, torch.optim.Optimizer, int]:
     """Return (the model as the job spreads it, optimizer, step) of a run, resumed from the newest checkpoint."""
-    model = make_model(args.hidden, args.seed, args.layers)
+    if args.model == "gpt2":
+        torch.manual_seed(args.seed)
+        model: nn.Module = GPT2Model(GPT2[args.gpt2_size])
+    else:
+        model = make_model(args.hidden, args.seed, args.layers)
     timer = StepTimer(ctx.rank, ctx.world, ctx.device, args.straggler_every_steps, local_rank=ctx.local_rank)
     try:
         wrapped = wrap_model(model, ctx.device, args.shard, args.comm, timer=timer)
     except ValueError as err:
         raise SystemExit(f"rank {ctx.rank}: {err}") from None
     # After wrapping: FSDP replaces the parameters with its shards.
-    optimizer = torch.optim.SGD(wrapped.module.parameters(), lr=args.lr, momentum=0.9)
+    if args.model == "gpt2":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(wrapped.module.parameters(), lr=args.lr, betas=(0.9, 0.95))
+    else:
+        optimizer = torch.optim.SGD(wrapped.module.parameters(), lr=args.lr, momentum=0.9)
     step = restore(ctx, wrapped, optimizer, Path(args.checkpoint_dir), args.keep_checkpoints)
     return wrapped, optimizer, step
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return f"gpt2-{args.gpt2_size}" if args.model == "gpt2" else "mlp"
 
 
 def log_start(args: argparse.Namespace, ctx: Dist, wrapped: Wrapped) -> None:
@@ -511,7 +637,7 @@ def log_start(args: argparse.Namespace, ctx: Dist, wrapped: Wrapped) -> None:
     log(
         f"training world={ctx.world} restarts={ctx.restarts} backend={args.backend} max_steps={args.max_steps} "
         f"parallelism={shard.parallelism} mixed_precision={shard.mixed_precision} "
-        f"params_local={local_shard_numel(wrapped.module)}"
+        f"params_local={local_shard_numel(wrapped.module)} model={model_name(args)}"
     )
     if wrapped.world_change:
         log(f"world changed: {wrapped.world_change['world_change']}")
@@ -530,7 +656,7 @@ def train(args: argparse.Namespace) -> int:
     policy = CheckpointPolicy(args.checkpoint_every_minutes, args.checkpoint_every_steps, time.monotonic(), step)
     progress = Progress(ctx, step, time.monotonic(), args.status_file, settings=settings_status(args, ctx, wrapped))
     # The job's accumulate_steps, raised where it restarted on fewer ranks than it plans (wrap_model).
-    data = iter(batches(args, ctx.rank, step, timer.accumulate_steps))
+    data = iter(batches(args, ctx.rank, step, timer.accumulate_steps, ctx.world))
 
     def checkpoint(reason: str = "") -> None:
         if sharded:

@@ -1,6 +1,7 @@
 """Sharding is real (issue 42 item 6), on local gloo ranks: under fsdp each rank holds about 1/world of the
 parameters; a sharded checkpoint saved by 4 ranks loads into 3 with the same weights; the example
-trainer under fsdp learns the same losses as under ddp for the same seed and batches; hsdp over two torchrun
+trainer under fsdp learns the same losses as under ddp for the same seed and batches (its MLP, and its GPT-2 on
+text, stopped and resumed); hsdp over two torchrun
 agents (two "nodes" of two ranks) keeps a whole checkpoint on each node and resumes; a rank killed with
 SIGKILL costs the job a restart from its last sharded checkpoint, not step 0; a job restarted on fewer GPUs than it
 plans (a GPU taken out, issue 42 item 5) resumes there too, keeps its global batch where it can and says why."""
@@ -92,6 +93,24 @@ def test_the_trainer_learns_the_same_under_fsdp_as_under_ddp(tmp_path):
     assert local < 0.6 * int(re.search(r"params_local=(\d+)", ddp)[1])
     # The final checkpoint is sharded.
     assert (tmp_path / "fsdp" / "step-00000012.dcp" / ".metadata").is_file()
+
+
+def test_gpt2_on_text_learns_the_same_under_fsdp_as_under_ddp_and_resumes_where_it_stopped(tmp_path):
+    argv = [str(TRAINER), "--model", "gpt2", "--gpt2-size", "tiny", "--lr", "3e-3", "--log-every", "1",
+            "--checkpoint-every-steps", "4", "--checkpoint-every-minutes", "0"]  # fmt: skip
+    ddp_dir, fsdp_dir = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
+    ddp = torchrun(2, *argv, "--max-steps", "12", "--checkpoint-dir", ddp_dir, BUDGETGPU_PARALLELISM="ddp")
+    first = torchrun(2, *argv, "--max-steps", "8", "--checkpoint-dir", fsdp_dir, BUDGETGPU_PARALLELISM="fsdp")
+    resumed = torchrun(2, *argv, "--max-steps", "12", "--checkpoint-dir", fsdp_dir, BUDGETGPU_PARALLELISM="fsdp")
+    assert "model=gpt2-tiny" in ddp and "parallelism=fsdp" in first
+    assert "resumed from step 8 (sharded checkpoint" in resumed and min(losses(resumed)) == 9
+    # The run stopped at step 8 and resumed goes on as one ddp run of 12 steps: same weights, optimizer and text.
+    fsdp = {**losses(first), **losses(resumed)}
+    assert sorted(fsdp) == sorted(losses(ddp)) == list(range(1, 13))
+    assert max(abs(fsdp[s] - losses(ddp)[s]) for s in fsdp) <= LOSS_TOLERANCE, (losses(ddp), fsdp)
+    # FSDP shards the transformer blocks (blocks_of finds them) and the tied embeddings: about half on each rank.
+    local = int(re.search(r"params_local=(\d+)", first)[1])
+    assert local < 0.6 * int(re.search(r"params_local=(\d+)", ddp)[1])
 
 
 def free_port() -> int:
