@@ -31,14 +31,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from budgetgpu_node.gpt2 import GPT2_SIZES, GPT2_TINY  # tests/benchmarks/device-check.sh puts it on PYTHONPATH
 
-# GPT-2's published shapes (layers, width, heads); "tiny" is for a dry run on CPU.
+# GPT-2's shapes as the example trainer and the planner read them (layers, width, heads); "tiny" is for a dry run
+# on CPU (built here with GPT-2's vocabulary and context, as every case: the trainer's tiny one has bytes).
 PRESETS = {
-    "tiny": (2, 64, 2),
-    "gpt2-124m": (12, 768, 12),
-    "gpt2-355m": (24, 1024, 16),
-    "gpt2-774m": (36, 1280, 20),
-    "gpt2-1.5b": (48, 1600, 25),
+    name: (size["layers"], size["width"], size["heads"])
+    for name, size in ({"tiny": GPT2_TINY} | {f"gpt2-{key}": value for key, value in GPT2_SIZES.items()}).items()
 }
 VARIANTS = ("fsdp-bf16", "fsdp-bf16-ckpt", "fsdp-bf16-states", "fsdp-fp32", "plain-fp32")
 # Each variant as the job model says it (plugin_utils/training_memory.py plans it at world size 1: plain-fp32,
