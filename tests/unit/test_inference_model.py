@@ -1194,7 +1194,11 @@ def test_the_plan_gives_the_gateway_its_upstreams_address_rates_and_limits_and_a
     assert gateway_plan["workers"] == placement.inference_workers(item, hv, "node1", [])
     assert gateway_plan["is_gateway"] is True
     upstreams = ["10.0.0.11:8100", "10.0.0.11:8101", "10.0.0.12:8100", "10.0.0.12:8101"]
-    assert gateway_plan["upstreams"] == placement.inference_upstreams(item, hv, HOSTS, []) == upstreams
+    assert [server["address"] for server in gateway_plan["upstreams"]] == upstreams
+    assert placement.inference_upstreams(item, hv, HOSTS, []) == upstreams
+    # Each server names its node, which the gateway config records for the next run.
+    assert [server["node"] for server in gateway_plan["upstreams"]] == ["node1", "node1", "node2", "node2"]
+    assert (gateway_plan["stale"], gateway_plan["unknown"], gateway_plan["report"]) == ([], [], [])
     assert (gateway_plan["gateway_address"], gateway_plan["listen"]) == ("10.0.0.11", "10.0.0.11")
     assert gateway_plan["allow"] == ["10.0.0.0/24"]
     assert gateway_plan["rates"] == {2: ["batch"], 40: ["alice"]}
@@ -1399,7 +1403,10 @@ def test_the_plan_names_each_workers_head_and_its_rpc_nodes_with_their_gpus():
     ]  # fmt: skip
     assert head["rpc_template"] == "budgetgpu-infer-chat.rpc@.service"
     # Only the heads serve: the gateway's upstreams are theirs.
-    assert head["upstreams"] == ["10.0.0.11:8100", "10.0.0.11:8101"]
+    assert head["upstreams"] == [
+        {"address": "10.0.0.11:8100", "node": "node1"},
+        {"address": "10.0.0.11:8101", "node": "node1"},
+    ]
     rpc = inference_plan(item, hv, "node2", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
     assert rpc["workers"] == []
     assert rpc["rpc_servers"] == [
@@ -1413,6 +1420,74 @@ def test_the_plan_names_each_workers_head_and_its_rpc_nodes_with_their_gpus():
     assert [(w["host"], w["rpc_servers"], w["tensor_split"]) for w in single["workers"]] == [
         ("node2", [], [1, 1, 1, 1])
     ]
+
+
+def last_run_conf(*servers: tuple[str, str]) -> str:
+    """The upstream block of a gateway config an earlier run wrote (nginx.conf.j2): (address, node) each."""
+    line = "    server {} max_conns=6 max_fails=3 fail_timeout=5s;  # node {}".format
+    lines = [line(address, node_) for address, node_ in servers]
+    return "upstream budgetgpu_embed {\n    least_conn;\n" + "\n".join(lines) + "\n    keepalive 16;\n}\n"
+
+
+def test_the_gateway_keeps_the_servers_of_a_node_without_facts_from_the_last_run_and_names_it():
+    # Issue 40 item 7: node2 is down at the nightly run (no GPU facts) and node3 was never placed; node1's
+    # workers are placed as usual, node2's servers of the last run are kept (stale), node3 is left out.
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+
+    hosts = ["node1", "node2", "node3"]
+    hv = hostvars(node3=node("10.0.0.13"))
+    for down in ("node2", "node3"):
+        del hv[down]["ansible_facts"]["budgetgpu_gpus"]
+    item = services(embed(gpus=[0, 1], gateway={"host": "node1"}, concurrency=2, queue=4))[0]
+    # node1's servers of the last run are its old placement: with facts, this run's placement wins.
+    recorded = last_run_conf(("10.0.0.11:8100", "node1"), ("10.0.0.12:8100", "node2"), ("10.0.0.12:8101", "node2"))
+    plan = inference_plan(item, hv, "node1", hosts, [], {"ci": KEY}, [], "10.0.0.0/24", recorded)
+    assert plan["upstreams"] == [
+        {"address": "10.0.0.11:8100", "node": "node1"},
+        {"address": "10.0.0.11:8101", "node": "node1"},
+        {"address": "10.0.0.12:8100", "node": "node2"},
+        {"address": "10.0.0.12:8101", "node": "node2"},
+    ]
+    assert (plan["stale"], plan["unknown"]) == (["node2"], ["node3"])
+    assert plan["report"] == [
+        "node2: no GPU facts in this run (down or left out): the gateway of service embed keeps the servers of its "
+        "workers from the last run (stale: NGINX passes their requests to the other workers; run again once it is up)",
+        "node3: no GPU facts in this run (down or left out) and no earlier run placed its workers of service embed: "
+        "the gateway leaves them out until a run reaches it",
+    ]
+    # The kept servers count in what the gateway admits, as they did (4 x 6 / 2 per key).
+    assert plan["routes"]["conns_per_key"] == 12
+    # Without a config of an earlier run (the first run, or one written before servers named their node).
+    plan = inference_plan(item, hv, "node1", hosts, [], {"ci": KEY}, [], "10.0.0.0/24")
+    assert (len(plan["upstreams"]), plan["stale"], plan["unknown"]) == (2, [], ["node2", "node3"])
+    # A node with facts whose placement fails still fails the gateway.
+    item = services(embed(gpus={"node1": [0, 1], "node2": [0], "node3": [7]}, gateway={"host": "node1"}))[0]
+    hv["node3"] = node("10.0.0.13")
+    with pytest.raises(ValueError, match="node3: service embed: gpus: found GPU 7"):
+        inference_plan(item, hv, "node1", hosts, [], {"ci": KEY}, [], "10.0.0.0/24", recorded)
+
+
+def test_a_spanning_worker_with_a_node_without_facts_keeps_its_heads_servers_of_the_last_run():
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+
+    hv = rig(4, 4)
+    del hv["node4"]["ansible_facts"]["budgetgpu_gpus"]  # the RPC node of node3's workers is down
+    item = services(guide_70b(nodes_per_worker=2, gpus_per_worker=2))[0]
+    recorded = last_run_conf(("10.0.0.13:8100", "node3"), ("10.0.0.13:8101", "node3"))
+    gateway_plan = inference_plan(item, hv, "node1", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24", recorded)
+    assert [(s["address"], s["node"]) for s in gateway_plan["upstreams"]] == [
+        ("10.0.0.11:8100", "node1"),
+        ("10.0.0.11:8101", "node1"),
+        ("10.0.0.13:8100", "node3"),
+        ("10.0.0.13:8101", "node3"),
+    ]
+    assert (gateway_plan["stale"], gateway_plan["unknown"]) == (["node4"], [])
+    # node1's own workers and node2's RPC servers are planned: node4 is not of their worker.
+    assert [w["slot"] for w in gateway_plan["workers"]] == [0, 1]
+    assert len(inference_plan(item, hv, "node2", list(hv), [], {"ci": KEY})["rpc_servers"]) == 2
+    # node3, whose worker needs node4's GPUs, cannot place it.
+    with pytest.raises(ValueError, match="node4: service chat: gpus: found no GPU facts"):
+        inference_plan(item, hv, "node3", list(hv), [], {"ci": KEY})
 
 
 def test_a_head_runs_llama_server_with_its_rpc_servers_in_device_order():

@@ -3,6 +3,7 @@ workers and gateways, what a request may weigh, how many connections a client ma
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -191,3 +192,18 @@ def inference_gateway_routes(service: Mapping[str, Any], workers: int) -> dict[s
         "headers": list(GATEWAY_CLIENT_HEADERS),
         "conns_per_key": int(own) if _is_int(own) and own > 0 else max(1, admitted // 2),
     }
+
+
+# A server of the upstream block roles/inference/templates/nginx.conf.j2 writes, with the comment that names
+# the node of its worker (a worker that spans nodes: its head): "server ADDRESS:PORT ...; # node NAME".
+_UPSTREAM_SERVER = re.compile(r"^[ \t]*server[ \t]+(\S+)[ \t][^;#\n]*;[ \t]*#[ \t]*node[ \t]+(\S+)", re.MULTILINE)
+
+
+def recorded_upstreams(config: str | None) -> dict[str, list[str]]:
+    """Return {node: ["address:port"]} of the upstream servers in the gateway config an earlier run wrote (its
+    text; {} without one): each node's workers as they were last known, which a node without GPU facts in this run
+    keeps (placement.inference_upstream_servers)."""
+    recorded: dict[str, list[str]] = {}
+    for address, node in _UPSTREAM_SERVER.findall(config or ""):
+        recorded.setdefault(node, []).append(address)
+    return recorded

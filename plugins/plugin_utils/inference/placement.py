@@ -274,7 +274,9 @@ def inference_workers(
         return _workers(service, hostvars, [[(host, group)] for group in _gpu_groups(service, gpus)])
     hosts = list(hosts or hostvars)
     group = next((g for g in worker_node_groups(service, hostvars, hosts) if host in g), [])
-    problems = spanning_problems(service, hostvars, hosts, jobs)
+    # A node without facts in another worker's group is that worker's (inference_upstream_servers keeps its
+    # servers of the last run): it stops no other group; one in this group does (its GPUs are not known).
+    problems = spanning_problems(service, hostvars, hosts, jobs, unprobed_ok=True)
     problems += [p for node in group for p in _placement(service, hostvars, node, jobs)[1]]
     if problems:
         raise ValueError("; ".join(problems))
@@ -304,15 +306,41 @@ def inference_rpc_servers(
     ]
 
 
+def inference_upstream_servers(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    hosts: list[str],
+    jobs: list[Mapping[str, Any]] | None = None,
+    recorded: Mapping[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Return {servers, stale, unknown} of the service's gateway. servers: {address ("address:port"), node (the
+    worker's head)} of every worker of every node, in inventory order. A node without GPU facts in this run (down,
+    its cached facts expired, or left out by --limit) keeps the servers of the last configuration (recorded: {head:
+    ["address:port"]}, gateway.recorded_upstreams; a worker that spans nodes keeps its head's while any of them has
+    none) and is named in stale: NGINX finds them failing and passes their requests to the others, and one node down
+    does not stop the configuration of the others. One that recorded does not hold is named in unknown and left out.
+    A node with facts whose placement fails raises, as inference_workers does."""
+    servers, stale, unknown = [], [], []
+    for group in worker_node_groups(service, hostvars, hosts):
+        head, down = group[0], [node for node in group if node_gpus(hostvars, node) is None]
+        if down:
+            kept = list((recorded or {}).get(head) or [])
+            servers += [{"address": address, "node": head} for address in kept]
+            (stale if kept else unknown).extend(down)
+            continue
+        servers += [
+            {"address": endpoint(worker["address"], worker["port"]), "node": head}
+            for worker in inference_workers(service, hostvars, head, jobs, hosts)
+        ]
+    return {"servers": servers, "stale": list(dict.fromkeys(stale)), "unknown": list(dict.fromkeys(unknown))}
+
+
 def inference_upstreams(
     service: Mapping[str, Any],
     hostvars: Mapping[str, Any],
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None = None,
 ) -> list[str]:
-    """Return "address:port" of every worker of every node of the service, in inventory order."""
-    return [
-        endpoint(worker["address"], worker["port"])
-        for host in service_hosts(service, hostvars, hosts)
-        for worker in inference_workers(service, hostvars, host, jobs, hosts)
-    ]
+    """Return "address:port" of every worker of every node of the service, in inventory order (the addresses of
+    inference_upstream_servers, nothing recorded)."""
+    return [server["address"] for server in inference_upstream_servers(service, hostvars, hosts, jobs)["servers"]]

@@ -15,13 +15,14 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gatewa
     inference_gateway_allow,
     inference_gateway_routes,
     inference_max_conns,
+    recorded_upstreams,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.keys import inference_gateway_keys
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.memory import inference_context_tokens
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
     inference_gateway_host,
     inference_rpc_servers,
-    inference_upstreams,
+    inference_upstream_servers,
     inference_workers,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import rpc_unit_name
@@ -36,6 +37,21 @@ def _rates(service: Mapping[str, Any], api_keys: Any) -> dict[Any, list[str]]:
     return rates
 
 
+def _stale_report(name: Any, upstreams: Mapping[str, list[str]]) -> list[str]:
+    """A line for each node of the gateway's service without GPU facts in this run (inference_upstream_servers'
+    stale and unknown)."""
+    return [
+        f"{node}: no GPU facts in this run (down or left out): the gateway of service {name} keeps the servers "
+        "of its workers from the last run (stale: NGINX passes their requests to the other workers; run again once "
+        "it is up)"
+        for node in upstreams["stale"]
+    ] + [
+        f"{node}: no GPU facts in this run (down or left out) and no earlier run placed its workers of service "
+        f"{name}: the gateway leaves them out until a run reaches it"
+        for node in upstreams["unknown"]
+    ]
+
+
 def inference_plan(
     service: Mapping[str, Any],
     hostvars: Mapping[str, Any],
@@ -45,28 +61,40 @@ def inference_plan(
     api_keys: Any = None,
     allow: list[str] | None = None,
     cluster_subnet: str | None = None,
+    recorded: str | None = None,
 ) -> dict[str, Any]:
     """Return the service on host: {service, name, state, workers (inference_workers: those whose head is
     host), rpc_servers (inference_rpc_servers: the llama.cpp RPC servers host runs for workers headed on
     another node), is_gateway, upstreams (every worker of every node: the gateway's alone, while the
-    service is not absent), model_dir, config_file, template, rpc_template (the unit template of its
-    llama.cpp RPC servers), gateway_host, gateway_port, gateway_address (its address, nodes.node_address:
-    what alone may reach the workers), allow (inference_gateway_allow), listen (gateway.listen, else the
-    gateway's address), rates (the gateway's, as upstreams), body_limits, max_conns, routes, context_tokens}."""
+    service is not absent: inference_upstream_servers, {address, node}), stale and unknown (the nodes without
+    GPU facts in this run whose servers of the last run are kept, recorded: the text of the gateway config an
+    earlier run wrote, and those it does not hold), report (a line for each of those nodes), model_dir,
+    config_file, template, rpc_template (the unit template of its llama.cpp RPC servers), gateway_host,
+    gateway_port, gateway_address (its address, nodes.node_address: what alone may reach the workers), allow
+    (inference_gateway_allow), listen (gateway.listen, else the gateway's address), rates (the gateway's, as
+    upstreams), body_limits, max_conns, routes, context_tokens}."""
     gateway_host = inference_gateway_host(service, hostvars, hosts)
     is_gateway = gateway_host == host
     serving = is_gateway and service.get("state") != "absent"
     gateway = service.get("gateway") or {}
     gateway_address = node_address(hostvars, gateway_host) if gateway_host else None
-    upstreams = inference_upstreams(service, hostvars, hosts, jobs) if serving else []
+    upstreams = (
+        inference_upstream_servers(service, hostvars, hosts, jobs, recorded_upstreams(recorded))
+        if serving
+        else {"servers": [], "stale": [], "unknown": []}
+    )
+    name = service.get("name")
     return {
         "service": service,
-        "name": service.get("name"),
+        "name": name,
         "state": service.get("state"),
         "workers": inference_workers(service, hostvars, host, jobs, hosts),
         "rpc_servers": inference_rpc_servers(service, hostvars, host, hosts, jobs),
         "is_gateway": is_gateway,
-        "upstreams": upstreams,
+        "upstreams": upstreams["servers"],
+        "stale": upstreams["stale"],
+        "unknown": upstreams["unknown"],
+        "report": _stale_report(name, upstreams),
         "model_dir": service.get("model_dir"),
         "config_file": service.get("config_file"),
         "template": service.get("unit_template"),
@@ -79,6 +107,6 @@ def inference_plan(
         "rates": _rates(service, api_keys) if serving else {},
         "body_limits": inference_body_limits(service),
         "max_conns": inference_max_conns(service),
-        "routes": inference_gateway_routes(service, len(upstreams)),
+        "routes": inference_gateway_routes(service, len(upstreams["servers"])),
         "context_tokens": inference_context_tokens(service),
     }

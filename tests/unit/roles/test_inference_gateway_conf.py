@@ -29,14 +29,20 @@ PLAYBOOK = """\
         _inference_connect_timeout_s: 1
         _inference_client_timeout_s: 10
 """
-UPSTREAMS = ["10.0.0.11:8300", "10.0.0.11:8301", "10.0.0.12:8300", "10.0.0.12:8301"]
+UPSTREAMS = [
+    {"address": "10.0.0.11:8300", "node": "node1"},
+    {"address": "10.0.0.11:8301", "node": "node1"},
+    {"address": "10.0.0.12:8300", "node": "node2"},
+    {"address": "10.0.0.12:8301", "node": "node2"},
+]
 
 
-def render(tmp_path: Path, service: dict) -> str:
+def render(tmp_path: Path, service: dict, stale: list | None = None) -> str:
     out = tmp_path / "gateway.conf"
     entry = {
         "service": service,
         "upstreams": UPSTREAMS,
+        "stale": stale or [],
         "rates": {100: ["ci"]},
         "listen": "10.0.0.11",
         "gateway_port": 8082,
@@ -111,3 +117,23 @@ def test_a_services_own_conns_per_key_and_embeddings_paths(tmp_path):
     text = render(tmp_path, service)
     assert re.findall(r"location = (/v1/\S+) \{", text) == ["/v1/models", "/v1/embeddings"]
     assert text.count("limit_conn budgetgpu_embed_keys 50;") == 2
+
+
+def test_each_server_names_its_node_and_the_next_run_reads_them_back(tmp_path):
+    # Issue 40 item 7: a node without GPU facts at the next run keeps its servers of this config
+    # (gateway.recorded_upstreams reads them back); a stale node is named above the upstream block.
+    embed = {"name": "embed", "model": "/srv/minilm", "task": "embeddings"}
+    service = services.inference_services_normalize([embed])[0]
+    text = render(tmp_path, service, stale=["node2"])
+    assert gateway.recorded_upstreams(text) == {
+        "node1": ["10.0.0.11:8300", "10.0.0.11:8301"],
+        "node2": ["10.0.0.12:8300", "10.0.0.12:8301"],
+    }
+    assert "# Stale: node2 had no GPU facts in the run that wrote this" in text
+    # Every server keeps NGINX's failure accounting: a down node's servers leave the rotation after
+    # max_fails failures for fail_timeout, and a request they fail is passed to the next worker.
+    server = r"^    server \S+ max_conns=\d+ max_fails=3 fail_timeout=5s;  # node node\d$"
+    assert len(re.findall(server, text, re.MULTILINE)) == 4
+    assert "proxy_next_upstream error timeout non_idempotent;" in text
+    assert "proxy_next_upstream_tries 4;" in text
+    assert "# Stale" not in render(tmp_path, service)
