@@ -15,7 +15,10 @@ from typing import Any
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.device_allow import gpu_minor
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.pcie import GPU_NAMES
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import inference_workers
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
+    inference_workers,
+    rpc_node_gpus,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_facts
 
@@ -83,13 +86,18 @@ def held_gpus(
     services: list[Mapping[str, Any]] | None,
     jobs: list[Mapping[str, Any]] | None,
 ) -> dict[int, str]:
-    """Return {GPU index: who holds it} on host: the inference workers (the service model's placement,
-    services normalised by inference_services_normalize) and the started systemd training jobs."""
+    """Return {GPU index: who holds it} on host: the inference workers and a spanning llama.cpp worker's RPC
+    servers (the service model's placement, services normalised by inference_services_normalize) and the started
+    systemd training jobs."""
     held = {index: f"training job {job}" for index, job in training_gpus(jobs, hostvars, host).items()}
     for service in services or []:
         if service.get("state") == "absent":
             continue
-        for worker in inference_workers(service, hostvars, host, jobs):
+        # An RPC node's GPUs from its own facts: its head's plan would fail while the head is down.
+        rpc = rpc_node_gpus(service, hostvars, host, jobs, list(hostvars))
+        for gpu in rpc:
+            held.setdefault(int(gpu["index"]), f"llama.cpp RPC server of service {service.get('name')}")
+        for worker in [] if rpc else inference_workers(service, hostvars, host, jobs):
             for index in worker["gpu_indices"]:
                 held.setdefault(int(index), f"inference worker {worker['unit']}")
     return held

@@ -251,6 +251,21 @@ def _workers(
     return workers
 
 
+def rpc_node_gpus(
+    service: Mapping[str, Any],
+    hostvars: Mapping[str, Any],
+    host: str,
+    jobs: list[Mapping[str, Any]] | None,
+    hosts: list[str],
+) -> list[dict[str, Any]]:
+    """Return the GPUs host gives the RPC servers of the service's workers that span nodes ([] on a head or a
+    node that is no worker's): its whole workers' GPUs from its own facts alone, so that they are known (and
+    held from Slurm) while the head is down."""
+    if not any(host in group[1:] for group in worker_node_groups(service, hostvars, hosts)):
+        return []
+    return [gpu for gpus in _gpu_groups(service, _placement(service, hostvars, host, jobs)[0]) for gpu in gpus]
+
+
 def inference_workers(
     service: Mapping[str, Any],
     hostvars: Mapping[str, Any],

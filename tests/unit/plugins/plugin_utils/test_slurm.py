@@ -129,6 +129,23 @@ def test_gpus_that_inference_workers_and_training_jobs_hold_are_left_out():
     assert node["left_out"][0]["why"] == "training job main"
 
 
+def test_the_gpus_of_a_spanning_llamacpp_workers_rpc_node_are_left_out_even_while_its_head_is_down():
+    service = {"name": "chat", "model": "/m.gguf", "task": "generation", "engine": "llamacpp", "nodes": "gpu_nodes",
+               "nodes_per_worker": 2, "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 32}}  # fmt: skip
+    services = inference_services_normalize([service])
+    head = {"ansible_facts": {**TWO_SOCKETS, **MIXED, "hostname": "node0"}, "group_names": ["gpu_nodes"]}
+    found = hostvars({**TWO_SOCKETS, **MIXED}, node0=head)
+    rpc_node = {"node0": found.pop("node0"), **found}  # node0 first: the head of the worker group
+    node = slurm_node(rpc_node, "node1", services)
+    why = "llama.cpp RPC server of service chat"
+    assert node["left_out"] == [{"index": i, "bus_id": MIXED["budgetgpu_pcie"]["gpus"][i]["bus_id"], "why": why}
+                                for i in range(3)]  # fmt: skip
+    assert node["gres"] == ""
+    # The head without facts (down, or left out of the run): its RPC node's GPUs stay held all the same.
+    down = {"node0": {"group_names": ["gpu_nodes"]}, **found}
+    assert slurm_node(down, "node1", services)["left_out"] == node["left_out"]
+
+
 def test_a_node_without_gpus_has_no_gres():
     node = slurm_node(hostvars({**TWO_SOCKETS, **gpus()}), "node1")
     assert node["gres"] == "" and "Gres=" not in node_conf_line(node) and gres_conf_lines(node) == []
