@@ -311,9 +311,14 @@ def test_a_host_outside_the_service_has_no_workers():
     assert placement.inference_workers(services(embed(nodes=["node2"]))[0], hv, "node1", []) == []
 
 
+def upstreams(service: dict, hv: dict) -> list[str]:
+    """The gateway's upstream addresses of a service, nothing recorded from a last run."""
+    return [server["address"] for server in placement.inference_upstream_servers(service, hv, HOSTS, [])["servers"]]
+
+
 def test_upstreams_list_every_worker_of_every_node():
     service = services(embed(gpus={"node1": [0, 1], "node2": [2]}))[0]
-    assert placement.inference_upstreams(service, hostvars(), HOSTS, []) == [
+    assert upstreams(service, hostvars()) == [
         "10.0.0.11:8100",
         "10.0.0.11:8101",
         "10.0.0.12:8100",
@@ -322,7 +327,7 @@ def test_upstreams_list_every_worker_of_every_node():
 
 def test_upstreams_of_an_ipv6_cluster_are_bracketed():
     service = services(embed(gpus=[0], nodes=["node1"]))[0]
-    assert placement.inference_upstreams(service, hostvars(node1=node("fd00::11")), HOSTS, []) == ["[fd00::11]:8100"]
+    assert upstreams(service, hostvars(node1=node("fd00::11"))) == ["[fd00::11]:8100"]
 
 
 def training(nproc, **keys) -> list[dict]:
@@ -1193,9 +1198,9 @@ def test_the_plan_gives_the_gateway_its_upstreams_address_rates_and_limits_and_a
     gateway_plan = inference_plan(item, hv, "node1", HOSTS, [], keys, [], "10.0.0.0/24")
     assert gateway_plan["workers"] == placement.inference_workers(item, hv, "node1", [])
     assert gateway_plan["is_gateway"] is True
-    upstreams = ["10.0.0.11:8100", "10.0.0.11:8101", "10.0.0.12:8100", "10.0.0.12:8101"]
-    assert [server["address"] for server in gateway_plan["upstreams"]] == upstreams
-    assert placement.inference_upstreams(item, hv, HOSTS, []) == upstreams
+    addresses = ["10.0.0.11:8100", "10.0.0.11:8101", "10.0.0.12:8100", "10.0.0.12:8101"]
+    assert [server["address"] for server in gateway_plan["upstreams"]] == addresses
+    assert upstreams(item, hv) == addresses
     # Each server names its node, which the gateway config records for the next run.
     assert [server["node"] for server in gateway_plan["upstreams"]] == ["node1", "node1", "node2", "node2"]
     assert (gateway_plan["stale"], gateway_plan["unknown"], gateway_plan["report"]) == ([], [], [])

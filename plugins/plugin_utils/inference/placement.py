@@ -348,14 +348,3 @@ def inference_upstream_servers(
             for worker in inference_workers(service, hostvars, head, jobs, hosts)
         ]
     return {"servers": servers, "stale": list(dict.fromkeys(stale)), "unknown": list(dict.fromkeys(unknown))}
-
-
-def inference_upstreams(
-    service: Mapping[str, Any],
-    hostvars: Mapping[str, Any],
-    hosts: list[str],
-    jobs: list[Mapping[str, Any]] | None = None,
-) -> list[str]:
-    """Return "address:port" of every worker of every node of the service, in inventory order (the addresses of
-    inference_upstream_servers, nothing recorded)."""
-    return [server["address"] for server in inference_upstream_servers(service, hostvars, hosts, jobs)["servers"]]

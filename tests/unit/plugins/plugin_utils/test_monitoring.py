@@ -35,7 +35,9 @@ def test_a_prometheus_on_one_address_is_asked_there():
 
 
 def test_inference_targets_are_the_workers_the_service_model_places():
-    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import inference_upstreams
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placement import (
+        inference_upstream_servers,
+    )
     from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
         inference_services_normalize,
     )
@@ -65,7 +67,8 @@ def test_inference_targets_are_the_workers_the_service_model_places():
     targets = found["configs"]
     # The gateway's upstreams, from the same model: the same workers.
     jobs = hostvars["node1"]["budgetgpu_jobs"]
-    assert [t["targets"][0] for t in targets] == inference_upstreams(services[0], hostvars, ["node1", "node2"], jobs)
+    servers = inference_upstream_servers(services[0], hostvars, ["node1", "node2"], jobs)["servers"]
+    assert [t["targets"][0] for t in targets] == [server["address"] for server in servers]
     assert [(t["targets"], t["labels"]["node"], t["labels"]["slot"]) for t in targets] == [
         (["10.0.0.11:8100"], "node1", "0"),
         (["10.0.0.12:8100"], "node2", "0"),
