@@ -97,6 +97,8 @@ def test_the_rpc_server_runs_as_the_workers_user_in_the_workers_sandbox(tmp_path
         assert line in unit, line
     assert "Restart=always" in unit
     assert "ExecStartPre=+/bin/rm -f /var/lib/budgetgpu/inference/%n.restart-pending" in unit
+    # -c's cache: each instance's own directory that systemd makes for its user (the workers' CacheDirectory=).
+    assert "CacheDirectory=%N" in unit and "Environment=LLAMA_CACHE=%C/%N" in unit
 
 
 def test_each_rpc_server_is_pinned_to_its_gpus_listens_on_the_cluster_address_and_caches_in_its_own_directory(
@@ -113,9 +115,8 @@ def test_each_rpc_server_is_pinned_to_its_gpus_listens_on_the_cluster_address_an
         assert f"DeviceAllow=/dev/char/195:{1 - slot} rw" not in gpus
         health = 'ExecCondition=/bin/sh -c \'test ! -x "$1" || exec "$1" check "$2"\' sh /usr/local/bin/gpu-health'
         assert f"{health} {uuid}" in conf
-        cache = f"/var/lib/budgetgpu/inference/rpc-cache/chat@{slot}"
-        assert f"Environment=LLAMA_CACHE={cache}" in conf
-        assert f"ReadWritePaths={cache}" in conf
+        # Its cache is its own systemd cache directory (/var/cache/<unit>@<slot>), the only place it may write.
+        assert not [line for line in conf if line.startswith(("ReadWritePaths=", "Environment=LLAMA_CACHE="))]
         binary = "/usr/local/lib/budgetgpu/ggml-rpc-server"
         assert f'ExecStart="{binary}" "--host" "10.0.0.12" "--port" "{8100 + slot}" "--cache"' in conf
 
