@@ -28,6 +28,12 @@ alpha is 58.4 bytes in a 2-byte compute dtype and 116 in fp32, fitted to GPT-2 o
 (docs/benchmarks/device-check.md, "fsdp"; tests/unit/plugins/plugin_utils/test_training_memory.py
 holds the planner within 15% of every row). A GPU's usable memory is its total (gpu_facts'
 memory_total_mib) less one CUDA context (inference.CUDA_CONTEXT_BYTES) and ALLOCATOR_SHARE of the card.
+
+A job over more than one node also gets link_verdict: whether its step over the inter-node link (model.link_gbit,
+else the probes' slowest cluster interface) would be slower than one node's at the same global batch
+(model.one_node_step_s): the bytes its collectives move per step (ddp: an all-reduce of the gradients, 2x their
+bytes; fsdp: an all-gather of the parameters in forward and in backward and a reduce-scatter of the gradients,
+about 3x; hsdp: ddp's all-reduce across nodes) over the link, added to the nodes' share of the compute.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     job_hosts,
     job_nproc,
 )
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_gpus, node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_line_rates
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, node_gpus, node_info
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import _bad_sharding, _line, _problem
 
 GIB = 2**30
@@ -69,7 +76,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 SHAPE_KEYS = ("params", "layers", "width", "vocab", "seq_len", "batch_size")
 MODEL_DEFAULTS: dict[str, Any] = {"optimizer": "adamw", "adapter": "none", "lora_rank": 8}
-MODEL_KEYS = ("preset", *SHAPE_KEYS, *MODEL_DEFAULTS)
+# What link_verdict reads, both optional: the inter-node link in Gbit/s (else the probes') and the seconds of a
+# step at the job's global batch on one node (a one-node run's status; without it there is no verdict).
+LINK_KEYS = ("link_gbit", "one_node_step_s")
+MODEL_KEYS = ("preset", *SHAPE_KEYS, *MODEL_DEFAULTS, *LINK_KEYS)
 # State tensors an optimizer keeps per trained parameter: Adam's two moments; SGD's momentum (none
 # without momentum: counting it keeps the plan on the side of refusing).
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}
@@ -132,6 +142,9 @@ def model_bads(model: Any) -> list[tuple[str, Any, str, str]]:
     rank = model.get("lora_rank", MODEL_DEFAULTS["lora_rank"])
     if _number(rank) is None or float(rank) != int(float(rank)):
         bads.append(("model.lora_rank", rank, "a whole number of 1 or more (LoRA's r)", ""))
+    for key in LINK_KEYS:
+        if key in model and _number(model[key]) is None:
+            bads.append((f"model.{key}", model[key], "a positive number", "or leave it out"))
     return bads
 
 
@@ -140,6 +153,8 @@ def model_spec(model: Mapping[str, Any]) -> dict[str, Any]:
     spec = {**MODEL_DEFAULTS, **PRESETS.get(model.get("preset"), {}), **model}
     for key in (*SHAPE_KEYS, "lora_rank"):
         spec[key] = float(spec[key]) if key == "params" else int(float(spec[key]))
+    for key in LINK_KEYS:
+        spec[key] = _number(spec.get(key))
     return spec
 
 
@@ -177,6 +192,62 @@ def rank_plan(spec: Mapping[str, Any], options: Mapping[str, Any], shard: int) -
     phase = plan["activations"] + plan["gathered"] + plan["autocast"]
     plan["peak"] = plan["states"] + plan["ddp_buckets"] + max(phase, plan["optimizer"])
     return plan
+
+
+def link_bytes(spec: Mapping[str, Any], options: Mapping[str, Any], layout: Mapping[str, int]) -> float:
+    """The bytes a node sends over the inter-node link per optimizer step. A ring collective over R ranks sends
+    (R - 1) / R of its tensor from each: DDP all-reduces the trained gradients once a step (twice that);
+    FSDP all-gathers every parameter in forward and again in backward, each micro-batch, in the compute dtype (a
+    frozen base in its own), and reduce-scatters the trained gradients (fp32 under mixed precision); HSDP shards
+    within a node and all-reduces the gradients across nodes, as DDP does."""
+    state, adapter, nodes = DTYPE_BYTES[options["state_precision"]], spec["adapter"], layout["nodes"]
+    compute = 2 if options["mixed_precision"] != "none" or state == 2 or adapter != "none" else 4
+    trained = (
+        spec["params"] if adapter == "none" else ADAPTER_MATRICES * spec["lora_rank"] * spec["width"] * spec["layers"]
+    )
+    reduced = trained * (4 if options["mixed_precision"] != "none" else state)
+    if options["parallelism"] == "fsdp":
+        frozen = 0.0 if adapter == "none" else spec["params"] * FROZEN_BYTES[adapter]
+        gathered = 2 * options.get("accumulate_steps", 1) * (frozen + trained * compute)
+        return (gathered + reduced) * (layout["world"] - 1) / layout["world"]
+    return 2 * reduced * (nodes - 1) / nodes
+
+
+def link_verdict(
+    spec: Mapping[str, Any], options: Mapping[str, Any], layout: Mapping[str, int], link_bit_s: float | None
+) -> dict[str, Any] | None:
+    """Whether the job's step over the link would be slower than one node's at the same global batch: the link's
+    seconds (link_bytes at link_bit_s) added to the nodes' share of spec's one_node_step_s, not hidden behind it
+    (on a slow link FSDP's next all-gather waits for the last). None for a job on one node or without both."""
+    one_node = spec.get("one_node_step_s")
+    if layout["nodes"] < 2 or not one_node or not link_bit_s:
+        return None
+    link_s = link_bytes(spec, options, layout) / (link_bit_s / 8)
+    step_s = one_node / layout["nodes"] + link_s
+    slower = step_s >= one_node
+    verdict = (
+        f"slower than one node ({step_s / one_node:.1f}x its step)" if slower else f"{one_node / step_s:.1f}x one node"
+    )
+    if slower and options["parallelism"] == "fsdp":  # HSDP keeps the all-gathers within a node
+        hsdp_s = one_node / layout["nodes"] + link_bytes(spec, {**options, "parallelism": "hsdp"}, layout) / (
+            link_bit_s / 8
+        )
+        verdict += f"; hsdp would take {hsdp_s:.2f} s" if hsdp_s < one_node else ""
+    text = (
+        f"{options['parallelism']} over {layout['nodes']} nodes at {link_bit_s / 1e9:g} Gbit/s: "
+        f"{link_bytes(spec, options, layout) / 1e9:.2f} GB over the link a step ({link_s:.2f} s) + "
+        f"{one_node / layout['nodes']:.2f} s of compute = {step_s:.2f} s a step against {one_node:g} s on one node: "
+        f"{verdict}"
+    )
+    return {"link_s": link_s, "step_s": step_s, "one_node_step_s": one_node, "slower": slower, "text": text}
+
+
+def probed_link_bit_s(hostvars: Mapping[str, Any], hosts: list[str]) -> float | None:
+    """The slowest line rate of the hosts' cluster interfaces (the net probe's), in bit/s; None where one is
+    virtual or unknown (a veth's nominal speed says nothing of the wire)."""
+    chosen = [(fact(hostvars, host, "budgetgpu_net") or {}).get("cluster_interface") or {} for host in hosts]
+    rates = nccl_line_rates(chosen)
+    return min(rates) * 1e6 if rates and None not in rates else None
 
 
 def usable_bytes(memory_mib: int) -> float:
@@ -218,6 +289,7 @@ def job_options(job: Mapping[str, Any]) -> dict[str, Any]:
         "mixed_precision": job.get("mixed_precision") if job.get("mixed_precision") in ("bf16", "fp16") else "none",
         "state_precision": "bf16" if job.get("state_precision") == "bf16" else "fp32",
         "activation_checkpointing": job.get("activation_checkpointing") is True,
+        "accumulate_steps": job.get("accumulate_steps") if isinstance(job.get("accumulate_steps"), int) else 1,
     }
 
 
@@ -357,10 +429,14 @@ def job_memory(job: Mapping[str, Any], hostvars: Mapping[str, Any], groups: Mapp
         problems.append(_problem(",".join(kind["hosts"]), name, f"memory of {gpu}", f"needs {text}", expected, hint))
     verdict = f"does not fit {len(problems)} kind(s) of GPU" if problems else "fits every GPU of the job"
     smallest = min(gpu["memory_total_mib"] for _host, gpu in gpus)
+    link_bit_s = spec["link_gbit"] * 1e9 if spec["link_gbit"] else probed_link_bit_s(hostvars, job_hosts(job, groups))
+    link = link_verdict(spec, options, layout, link_bit_s)
     return {
         "problems": problems,
-        "line": f"job {name}: {text}; {verdict} (the smallest: {_gib(usable_bytes(smallest))} usable)",
+        "line": f"job {name}: {text}; {verdict} (the smallest: {_gib(usable_bytes(smallest))} usable)"
+        + (f"; link: {link['text']}" if link else ""),
         "plan": plan,
+        "link": link,
         "why": "",
     }
 
@@ -390,13 +466,14 @@ def training_memory_status(
     if plan["plan"] is None:
         return [f"memory: not planned: {plan['why']}"]
     line = f"memory: planned {_gib(plan['plan']['peak'])} a rank"
+    link = [f"link: {plan['link']['text']}"] if plan["link"] else []
     if isinstance(status, Mapping) and "content" in status:
         status = _slurped_json(status)
     if not isinstance(status, Mapping):
-        return [line + ", measured: no status on this node (rank 0 writes it on the job's master)"]
+        return [line + ", measured: no status on this node (rank 0 writes it on the job's master)", *link]
     peaks = [r.get("peak_memory_bytes") for r in status.get("ranks") or [] if isinstance(r, Mapping)]
     peaks = [p for p in [status.get("peak_memory_bytes"), *peaks] if _number(p) is not None]
     if not peaks:
-        return [line + ", measured: not in rank 0's status (its trainer writes no peak_memory_bytes)"]
+        return [line + ", measured: not in rank 0's status (its trainer writes no peak_memory_bytes)", *link]
     measured = max(peaks)
-    return [line + f", measured {_gib(measured)} ({measured / plan['plan']['peak'] - 1:+.0%} against the plan)"]
+    return [line + f", measured {_gib(measured)} ({measured / plan['plan']['peak'] - 1:+.0%} against the plan)", *link]

@@ -324,3 +324,61 @@ def test_the_planned_peak_holds_on_the_second_run_bf16_states_included(row):
 def test_the_second_run_measured_8_bytes_a_parameter_with_bf16_states():
     rows = [r for r in planner_rows() if r["variant"] == "fsdp-bf16-states"]
     assert len(rows) == 4 and all(8.0 <= r["bytes_per_param"] <= 8.2 for r in rows), rows
+
+
+# LlamaFactory#5014 (the case): Llama-3 8B LoRA under DeepSpeed ZeRO-3 over two nodes of 8 GPUs on 10GbE,
+# 90 s a step against 4 s on one node; without ZeRO-3 (DDP of the adapters) the two nodes trained as expected.
+LLAMA3_8B_LORA = {"params": 8.03e9, "layers": 32, "width": 4096, "vocab": 128256, "seq_len": 1024, "batch_size": 1,
+                  "adapter": "lora", "one_node_step_s": 4}  # fmt: skip
+TWO_NODES_OF_8 = {"nodes": 2, "nproc": 8, "world": 16}
+
+
+def options(parallelism: str, **keys) -> dict:
+    return {"parallelism": parallelism, "mixed_precision": "bf16", "state_precision": "fp32",
+            "activation_checkpointing": True, "accumulate_steps": 1, **keys}  # fmt: skip
+
+
+def test_fsdp_over_10gbe_is_slower_than_one_node_in_the_guides_zero3_case_and_ddp_is_not():
+    spec = tm.model_spec(LLAMA3_8B_LORA)
+    fsdp = tm.link_verdict(spec, options("fsdp"), TWO_NODES_OF_8, 10e9)
+    # The frozen bf16 base gathered in forward and in backward: 2 x 8.03e9 x 2 bytes x 15/16 over 1.25 GB/s.
+    assert fsdp["link_s"] == pytest.approx(2 * 8.03e9 * 2 * 15 / 16 / 1.25e9, rel=0.01)
+    assert fsdp["slower"] and fsdp["step_s"] > 6 * 4
+    assert "slower than one node" in fsdp["text"] and "hsdp would take 2.01 s" in fsdp["text"]
+    ddp = tm.link_verdict(spec, options("ddp"), TWO_NODES_OF_8, 10e9)
+    assert not ddp["slower"] and ddp["text"].endswith("2.0x one node")
+
+
+def test_the_link_bytes_are_3x_the_parameters_for_fsdp_and_2x_the_gradients_for_ddp_and_hsdp():
+    spec = tm.model_spec({"preset": "gpt2-124m", "batch_size": 4})
+    params, layout = spec["params"], {"nodes": 4, "nproc": 1, "world": 4}
+    fp32 = {"mixed_precision": "none"}
+    assert tm.link_bytes(spec, options("fsdp", **fp32), layout) == pytest.approx(3 * params * 4 * 3 / 4)
+    assert tm.link_bytes(spec, options("ddp", **fp32), layout) == pytest.approx(2 * params * 4 * 3 / 4)
+    # FSDP gathers again for every micro-batch; HSDP crosses the link only to all-reduce across nodes.
+    assert tm.link_bytes(spec, options("fsdp", **fp32, accumulate_steps=2), layout) == pytest.approx(
+        5 * params * 4 * 3 / 4
+    )
+    two_nodes = {"nodes": 2, "nproc": 2, "world": 4}
+    assert tm.link_bytes(spec, options("hsdp", **fp32), two_nodes) == pytest.approx(2 * params * 4 / 2)
+
+
+def test_the_check_line_gives_the_link_verdict_from_the_probes_line_rate_or_the_jobs_and_none_on_one_node():
+    hostvars, groups = cluster(gpus(), gpus())
+    for host in hostvars:
+        interface = {"name": "enp1s0", "kind": "physical", "speed_mbps": 10000}
+        hostvars[host]["ansible_facts"]["budgetgpu_net"] = {"cluster_interface": interface}
+    fsdp = job(model={**LLAMA3_8B_LORA, "batch_size": 1}, parallelism="fsdp", mixed_precision="bf16")
+    line = tm.job_memory(fsdp, hostvars, groups)["line"]
+    assert "; link: fsdp over 2 nodes at 10 Gbit/s: " in line and "slower than one node" in line
+    fast = job(model={**LLAMA3_8B_LORA, "link_gbit": 400}, parallelism="fsdp", mixed_precision="bf16")
+    assert "at 400 Gbit/s" in tm.job_memory(fast, hostvars, groups)["line"]
+    assert tm.training_memory_status(fsdp, hostvars, groups, None)[1].startswith("link: fsdp over 2 nodes")
+    # A veth's nominal speed is no wire's; one node has no link; no one-node step, no verdict.
+    hostvars["node2"]["ansible_facts"]["budgetgpu_net"]["cluster_interface"]["kind"] = "veth"
+    assert tm.job_memory(fsdp, hostvars, groups)["link"] is None
+    assert tm.job_memory(fsdp, *cluster(gpus()))["link"] is None
+    no_step = {k: v for k, v in LLAMA3_8B_LORA.items() if k != "one_node_step_s"}
+    assert tm.job_memory(job(model={**no_step, "link_gbit": 10}, parallelism="fsdp"), hostvars, groups)["link"] is None
+    bad = tm.job_memory(job(model={**LLAMA3_8B_LORA, "link_gbit": "fast"}), hostvars, groups)["problems"]
+    assert [p["field"] for p in bad] == ["model.link_gbit"]
