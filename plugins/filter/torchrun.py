@@ -35,6 +35,7 @@ systemd_exec = jobs.systemd_exec
 systemd_show = jobs.systemd_show
 running_units = jobs.running_units
 torchrun_job_status = jobs.torchrun_job_status
+torchrun_image_problems = as_filter(jobs.torchrun_image_problems)
 
 
 class FilterModule:
@@ -45,6 +46,7 @@ class FilterModule:
             "torchrun_job_status": torchrun_job_status,
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,
+            "torchrun_image_problems": torchrun_image_problems,
             "torchrun_masters_unknown": torchrun_masters_unknown,
             "torchrun_recorded_masters": torchrun_recorded_masters,
             "cluster_nodes": cluster_nodes,

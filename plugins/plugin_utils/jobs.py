@@ -25,6 +25,8 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     powersgd_start_step: 1000
     bucket_cap_mb: 25                   # DDP's gradient bucket size
     accumulate_steps: 1                 # micro-batches per optimizer step (no_sync on all but the last)
+    image: nvcr.io/nvidia/pytorch@sha256:<64 hex>   # or {tarball: <control-node path>, digest: sha256:<image id>};
+                                        # venv is then the image's Python prefix (default /usr)
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ansible_collections.budgetgpu.cluster.plugins.module_utils import energy
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.job_metrics import unit_running
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import endpoint
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.gpu_devices import unit_device_allow
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import in_group, node_info
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, in_group, node_info, simulated
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.torch_build import driver_cuda, parse_cuda_version
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -111,6 +114,8 @@ JOB_DEFAULTS: dict[str, Any] = {
     "user": "budgetgpu",
     "backend": "auto",
     "allow_mixed_gpus": False,
+    # The container image the job runs in (docs/job-images.md): None runs it from the venv on the node.
+    "image": None,
     "state": "started",
     "enabled": True,
 }
@@ -150,6 +155,18 @@ STATE_ROOT = "/var/lib/budgetgpu/jobs"
 # GPUs' energy counters at the unit's start are root's (roles/torchrun vars' records directory).
 STATUS_FILE = "status.json"
 ENV_DIR = "/etc/budgetgpu/jobs"
+# Root's unpacked images, <it>/<digest's hex>/rootfs (read-only for everyone else), and beside each its
+# environment (the image's Config.Env) as an env file for the unit.
+IMAGE_ROOT = "/var/lib/budgetgpu/images"
+# An image job's Python prefix unless the job names its venv: /usr/bin/python3, as in NGC's and Debian's images.
+IMAGE_PYTHON_PREFIX = "/usr"
+# Where an image job finds the driver's user-space libraries (nvidia/cuda's images have it on LD_LIBRARY_PATH).
+NVIDIA_LIBRARIES = "/usr/local/nvidia/lib64"
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")
+DIGEST_EXPECTED = "sha256: and 64 lowercase hex digits"
+# A bad field of one job: (field, found, expected, hint), as preflight's checks yield them.
+Bad = tuple[str, Any, str, str]
 
 
 def unit_name(name: str) -> str:
@@ -188,6 +205,9 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in {"user": user, "venv": venv}.items() if v})
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
+    if merged.get("image") and "venv" not in job:
+        # The host's venv and torchrun_job_defaults' venv do not exist in an image.
+        merged["venv"] = IMAGE_PYTHON_PREFIX
     coerce_numbers(merged)
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
@@ -399,6 +419,105 @@ def systemd_exec(argv: list[str]) -> str:
     return " ".join(systemd_quote(a).replace("$", "$$").replace("%", "%%") for a in argv)
 
 
+def image_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """The job's image key, as preflight's checks yield a bad field: (field, found, expected, hint).
+
+    A name pinned by digest ("name@sha256:<hex>", what `docker pull` fetches the same everywhere), or
+    {tarball: <path on the control node>, digest: <the image id docker load gives>}. A tag alone moves."""
+    value = job.get("image")
+    if value is None:
+        return
+    if isinstance(value, str):
+        name, _, digest = value.partition("@")
+        if not digest:
+            hint = "a tag moves: docker image inspect --format '{{index .RepoDigests 0}}' NAME:TAG names its digest"
+            yield "image", value, "NAME@sha256:<64 hex digits>, the image pinned by digest", hint
+        elif not _IMAGE_NAME.match(name):
+            yield "image", value, "NAME@sha256:<64 hex digits> with an image name before the @", ""
+        elif not _DIGEST.match(digest):
+            yield "image", value, f"a digest after the @: {DIGEST_EXPECTED}", ""
+        return
+    if not isinstance(value, Mapping):
+        yield "image", value, "NAME@sha256:<digest>, or {tarball: <path on the control node>, digest: sha256:<id>}", ""
+        return
+    for key in sorted(set(value) - {"tarball", "digest"}):
+        yield f"image.{key}", value[key], "only tarball and digest", "a typo?"
+    tarball = value.get("tarball")
+    if not (isinstance(tarball, str) and tarball.startswith("/")):
+        yield "image.tarball", tarball, "an absolute path on the control node (docker save's output)", ""
+    if not (isinstance(value.get("digest"), str) and _DIGEST.match(value["digest"])):
+        hint = "docker image inspect --format '{{.Id}}' NAME where the tarball was saved"
+        yield "image.digest", value.get("digest"), f"the image id docker load gives: {DIGEST_EXPECTED}", hint
+
+
+def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Return what the nodes do with a job's image (None: a venv job): {ref: what docker names it by,
+    digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment}.
+    A bad image raises ValueError naming job, key, found and expected."""
+    for field, found, expected, hint in image_bads(job):
+        raise ValueError(f"job {job.get('name')}: {field}: found {found!r}, expected {expected}" + (f" ({hint})" if hint else ""))
+    value = job.get("image")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        ref, digest, tarball = value, value.partition("@")[2], None
+    else:
+        # docker load keeps the tarball's tags, or none: the image is named by its id.
+        ref, digest, tarball = value["digest"], value["digest"], value["tarball"]
+    where = f"{IMAGE_ROOT}/{digest.partition(':')[2]}"
+    return {"ref": ref, "digest": digest, "tarball": tarball, "root": f"{where}/rootfs", "env_file": f"{where}/env"}
+
+
+def image_environment(config_env: list[str] | None, node_packages: str) -> dict[str, str]:
+    """Return an image job's environment from its image (docker image inspect's Config.Env, "NAME=value"
+    items), which systemd's RootDirectory= does not apply on its own: with the node package after the
+    image's PYTHONPATH (the launcher's health check, the trainer's helpers) and the driver's libraries,
+    bound at /usr/local/nvidia/lib64, on LD_LIBRARY_PATH where the image (unlike nvidia/cuda's) does not
+    put them."""
+    env = dict(item.partition("=")[::2] for item in config_env or [] if ENV_NAME.match(item.partition("=")[0]))
+    env["PYTHONPATH"] = ":".join(part for part in (env.get("PYTHONPATH"), node_packages) if part)
+    libraries = env.get("LD_LIBRARY_PATH", "")
+    if NVIDIA_LIBRARIES not in libraries.split(":"):
+        env["LD_LIBRARY_PATH"] = ":".join(part for part in (libraries, NVIDIA_LIBRARIES) if part)
+    return env
+
+
+def image_cuda(config_env: list[str] | None) -> str | None:
+    """Return the CUDA an image was built for: its CUDA_VERSION (nvidia/cuda's images and those built on them)."""
+    env = dict(item.partition("=")[::2] for item in config_env or [])
+    return env.get("CUDA_VERSION") or None
+
+
+def torchrun_image_problems(jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]) -> list[str]:
+    """Return why the image jobs cannot start: a job's image missing on one of its nodes, an image whose id
+    differs between nodes (the same name and digest, or a tarball, gave different images), an image built
+    for a newer CUDA than a node's driver runs. Each node reports its images as the fact
+    budgetgpu_job_images ({digest: {id, cuda}}, docker image inspect after the pull or load; {} where
+    missing), and its driver in budgetgpu_gpus."""
+    problems = []
+    for job in jobs:
+        image = job_image(job) if job.get("state") != "absent" else None
+        if image is None:
+            continue
+        found = {host: (fact(hostvars, host, "budgetgpu_job_images") or {}).get(image["digest"]) or {} for host in job_hosts(job, groups)}
+        what = f"job {job.get('name')}: image {image['tarball'] or image['ref']}"
+        for host in sorted(host for host, seen in found.items() if not seen.get("id")):
+            problems.append(f"{host}: {what} is missing on the node (the pull or load did not give it)")
+        ids = {seen["id"]: host for host, seen in found.items() if seen.get("id")}
+        if len(ids) > 1:
+            listed = ", ".join(f"{host}: {image_id}" for image_id, host in sorted(ids.items(), key=lambda item: item[1]))
+            problems.append(f"{what} differs between nodes ({listed}): every node must run the same image")
+        for host, seen in sorted(found.items()):
+            driver = parse_cuda_version(driver_cuda(fact(hostvars, host, "budgetgpu_gpus"), simulated(hostvars, host)))
+            built = parse_cuda_version(seen.get("cuda"))
+            if driver and built and built > driver:
+                problems.append(
+                    f"{host}: {what} is built for CUDA {seen['cuda']}, the node's driver runs CUDA "
+                    f"{driver[0]}.{driver[1]}: choose an image of CUDA {driver[0]}.{driver[1]} or older, or upgrade the driver"
+                )
+    return problems
+
+
 def torchrun_masters_unknown(
     jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], nodes: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
@@ -460,6 +579,7 @@ def torchrun_plan(
             node = nodes.get(host) or {}
             item["gpu_indices"] = job_gpus(job, node)
             item["device_allow"] = unit_device_allow(node.get("gpus"), item["gpu_indices"])
+            item["image"] = job_image(job)
         plan.append(item)
     return plan
 

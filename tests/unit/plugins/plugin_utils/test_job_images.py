@@ -1,0 +1,145 @@
+"""A job's container image (issue 44): the key's forms and refusals, what the nodes do with it, the
+environment the image gives its unit, and the refusals before an image job starts."""
+
+from __future__ import annotations
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    image_bads,
+    image_cuda,
+    image_environment,
+    job_image,
+    torchrun_image_problems,
+    torchrun_jobs_normalize,
+    torchrun_plan,
+)
+
+HEX = "ab" * 32
+PINNED = f"nvcr.io/nvidia/pytorch:24.01-py3@sha256:{HEX}"
+JOB = {"name": "main", "script": "/workspace/train.py", "nodes": "gpu_nodes", "image": PINNED}
+GROUPS = {"gpu_nodes": ["node0", "node1"]}
+
+
+def test_a_pinned_image_runs_from_roots_unpacked_root_filesystem():
+    assert job_image(JOB) == {
+        "ref": PINNED,
+        "digest": f"sha256:{HEX}",
+        "tarball": None,
+        "root": f"/var/lib/budgetgpu/images/{HEX}/rootfs",
+        "env_file": f"/var/lib/budgetgpu/images/{HEX}/env",
+    }
+
+
+def test_a_tarball_image_is_named_by_the_id_docker_load_gives():
+    image = job_image({**JOB, "image": {"tarball": "/srv/images/train.tar", "digest": f"sha256:{HEX}"}})
+    assert (image["ref"], image["tarball"], image["root"]) == (
+        f"sha256:{HEX}",
+        "/srv/images/train.tar",
+        f"/var/lib/budgetgpu/images/{HEX}/rootfs",
+    )
+
+
+def test_a_venv_job_has_no_image():
+    assert job_image({"name": "main", "script": "/srv/train.py"}) is None
+    assert not list(image_bads({"name": "main"}))
+
+
+@pytest.mark.parametrize(
+    ("image", "field", "expected"),
+    [
+        ("nvcr.io/nvidia/pytorch:24.01-py3", "image", "NAME@sha256:<64 hex digits>, the image pinned by digest"),
+        (f"nvidia/cuda@sha256:{HEX[:10]}", "image", "a digest after the @: sha256: and 64 lowercase hex digits"),
+        (f"@sha256:{HEX}", "image", "NAME@sha256:<64 hex digits> with an image name before the @"),
+        (["nvidia/cuda"], "image", "NAME@sha256:<digest>, or {tarball: <path on the control node>, digest: sha256:<id>}"),
+        ({"tarball": "train.tar", "digest": f"sha256:{HEX}"}, "image.tarball", "an absolute path on the control node"),
+        ({"tarball": "/srv/t.tar"}, "image.digest", "the image id docker load gives: sha256: and 64 lowercase hex"),
+        ({"tarball": "/srv/t.tar", "digest": f"sha256:{HEX}", "tag": "x"}, "image.tag", "only tarball and digest"),
+    ],
+)
+def test_a_bad_image_is_refused_naming_job_key_found_and_expected(image, field, expected):
+    (bad,) = list(image_bads({**JOB, "image": image}))
+    assert bad[0] == field and bad[1] == (image.get(field.partition(".")[2]) if isinstance(image, dict) else image)
+    assert bad[2].startswith(expected)
+    with pytest.raises(ValueError, match=rf"^job main: {field}: found .*, expected {expected[:20]}"):
+        job_image({**JOB, "image": image})
+
+
+def test_a_tag_alone_is_refused_with_the_way_to_its_digest():
+    (bad,) = list(image_bads({**JOB, "image": "nvidia/cuda:12.1.1-runtime-ubuntu22.04"}))
+    assert "RepoDigests" in bad[3]
+
+
+def test_an_image_job_runs_the_images_python_unless_it_names_its_own():
+    plain, own = torchrun_jobs_normalize([JOB, {**JOB, "name": "own", "venv": "/opt/conda"}], {"venv": "/srv/v"}, venv="/opt/v")
+    assert (plain["venv"], own["venv"]) == ("/usr", "/opt/conda")
+    (venv_job,) = torchrun_jobs_normalize([{"name": "v", "script": "/srv/t.py"}], {"venv": "/srv/v"})
+    assert venv_job["venv"] == "/srv/v"
+
+
+def test_the_plan_carries_the_image_and_refuses_a_bad_one():
+    nodes = {"node0": {"gpu_count": 2, "address": "10.0.0.1"}, "node1": {"gpu_count": 2}}
+    (item,) = torchrun_plan(torchrun_jobs_normalize([JOB]), "node1", GROUPS, nodes, "/opt/budgetgpu/bin/budgetgpu-torchrun")
+    assert item["image"]["root"] == f"/var/lib/budgetgpu/images/{HEX}/rootfs"
+    assert item["argv"][:2] == ["/usr/bin/python3", "/opt/budgetgpu/bin/budgetgpu-torchrun"]
+    (venv_item,) = torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": None}]), "node1", GROUPS, nodes)
+    assert venv_item["image"] is None
+    with pytest.raises(ValueError, match="job main: image: found 'nvidia/cuda:12.1'"):
+        torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": "nvidia/cuda:12.1"}]), "node1", GROUPS, nodes)
+
+
+def test_the_images_environment_gets_the_node_package_and_the_drivers_libraries():
+    config = ["PATH=/usr/local/bin:/usr/bin", "CUDA_VERSION=12.1.1", "PYTHONPATH=/workspace", "BAD NAME=x"]
+    env = image_environment(config, "/opt/budgetgpu/node/packages")
+    assert env == {
+        "PATH": "/usr/local/bin:/usr/bin",
+        "CUDA_VERSION": "12.1.1",
+        "PYTHONPATH": "/workspace:/opt/budgetgpu/node/packages",
+        "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64",
+    }
+    cuda_image = ["LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64"]
+    assert image_environment(cuda_image, "/p")["LD_LIBRARY_PATH"] == "/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+    assert image_cuda(config) == "12.1.1" and image_cuda(["PATH=/bin"]) is None
+
+
+def facts(image_id: str | None = "sha256:" + "cd" * 32, cuda: str | None = "12.1.1", driver: str = "12.4") -> dict:
+    images = {f"sha256:{HEX}": {"id": image_id, "cuda": cuda}} if image_id else {}
+    gpus = {"count": 1, "driver": {"loaded": True, "cuda_driver_version": driver}}
+    return {"budgetgpu_job_images": images, "budgetgpu_gpus": gpus}
+
+
+def test_the_same_image_on_every_node_within_the_drivers_cuda_passes():
+    assert torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts()}) == []
+
+
+def test_an_image_missing_on_a_node_is_refused_naming_node_and_image():
+    problems = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(None)})
+    assert problems == [f"node1: job main: image {PINNED} is missing on the node (the pull or load did not give it)"]
+
+
+def test_an_image_that_differs_between_nodes_is_refused_naming_both():
+    other = "sha256:" + "ef" * 32
+    (problem,) = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(other)})
+    assert problem == (
+        f"job main: image {PINNED} differs between nodes (node0: sha256:{'cd' * 32}, node1: {other}): "
+        "every node must run the same image"
+    )
+
+
+def test_an_image_of_a_newer_cuda_than_a_nodes_driver_is_refused_with_both_versions():
+    hostvars = {"node0": facts(cuda="12.4.0", driver="12.4"), "node1": facts(cuda="12.4.0", driver="12.2")}
+    (problem,) = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, hostvars)
+    assert problem == (
+        f"node1: job main: image {PINNED} is built for CUDA 12.4.0, the node's driver runs CUDA 12.2: "
+        "choose an image of CUDA 12.2 or older, or upgrade the driver"
+    )
+
+
+def test_simulated_nodes_and_images_without_cuda_are_not_compared():
+    simulated = {**facts(cuda="13.0"), "budgetgpu_simulated": True}
+    hostvars = {"node0": simulated, "node1": facts(cuda=None, driver="11.8")}
+    assert torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, hostvars) == []
+
+
+def test_venv_jobs_and_absent_jobs_need_no_image():
+    jobs = torchrun_jobs_normalize([{**JOB, "image": None}, {**JOB, "name": "gone", "state": "absent"}])
+    assert torchrun_image_problems(jobs, GROUPS, {}) == []
