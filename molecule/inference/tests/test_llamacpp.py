@@ -325,9 +325,11 @@ def test_prometheus_records_the_same_series_for_llama_cpp_and_builtin_workers(ga
     wait_for("tokens per second of both engines' workers in Prometheus", generating, timeout=60)
     # Every worker of every engine has its in-flight series (llama.cpp: its busy slots)...
     in_flight = {(s["metric"]["service"], s["metric"]["node"]) for s in prometheus("budgetgpu_inference:in_flight")}
-    assert in_flight == {(service, node) for service in ("embed", "generate", "llama") for node in NODES}, in_flight
+    # (span: one worker over both nodes, headed on the gateway's node; test_llamacpp_rpc.py)
+    everywhere = {(service, node) for service in ("embed", "generate", "llama") for node in NODES}
+    assert in_flight == everywhere | {("span", GATEWAY)}, in_flight
     # ...and llama-server, which counts no requests, has no request rate rather than a made-up one.
     services = {s["metric"]["service"] for s in prometheus("budgetgpu_inference:requests:rate5m")}
     assert services == {"embed", "generate"}, services
     up = {(s["metric"]["service"], s["value"][1]) for s in prometheus('up{job="inference"}')}
-    assert up == {("embed", "1"), ("generate", "1"), ("llama", "1")}, up
+    assert up == {("embed", "1"), ("generate", "1"), ("llama", "1"), ("span", "1")}, up

@@ -165,3 +165,33 @@ def inference_rpc_server_command(server: Mapping[str, Any], rpc_server: str | No
     if not rpc_server:
         raise ValueError(f"service {server.get('service')}: rpc_server: found none, expected ggml-rpc-server's path")
     return [str(rpc_server), *_flags({"--host": server.get("address"), "--port": server.get("port")}), "--cache"]
+
+
+# A head's wait for its RPC servers. $1: seconds to wait; then node, address and port of each RPC server. Each
+# connect has 2 s (a node that is off answers nothing: the kernel's own timeout is minutes); ggml-rpc-server takes
+# a connection that closes at once and goes back to accepting.
+_RPC_WAIT_SCRIPT = """\
+wait=$1; deadline=$((SECONDS + wait)); shift
+while [ $# -ge 3 ]; do
+  until timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' probe "$2" "$3" 2>/dev/null; do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "the llama.cpp RPC server of node $1 ($2 port $3) does not answer after $wait s:" \
+        "its node or its unit is down" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+  shift 3
+done
+"""
+
+
+def inference_rpc_wait_command(worker: Mapping[str, Any], wait_s: int) -> list[str]:
+    """Return the argv of a head's ExecStartPre (a worker with rpc_servers): wait at most wait_s seconds until
+    each of its RPC servers accepts a connection, else fail naming the node, its address and port. The RPC
+    servers run on other nodes, so the head's unit cannot order itself after them: it waits for them, and
+    llama-server, which aborts when an RPC server goes away, starts only once every one answers."""
+    servers = []
+    for server in worker.get("rpc_servers") or []:
+        servers += [str(server["host"]), str(server["address"]), str(server["port"])]
+    return ["/bin/bash", "-c", _RPC_WAIT_SCRIPT, "rpc-wait", str(wait_s), *servers]

@@ -5,11 +5,15 @@ the firewall table (role _firewall's template) admitting the worker's head alone
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
 from pathlib import Path
 
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import services
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import engines, services
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import inference_firewall_ports
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import systemd_exec
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_firewall import render, rules, sets
 
@@ -139,3 +143,64 @@ def test_the_rpc_ports_admit_the_head_alone_another_node_and_an_outsider_are_res
     # itself (10.0.0.12), Prometheus (monitor) and anyone else get the reset.
     assert "elements = { 10.0.0.11 }" in found["chat_rpc_servers_of_node1_v4"]
     assert "elements" not in found["chat_rpc_servers_of_node1_v6"]
+
+
+HEAD_PLAYBOOK = """\
+- name: Render the head's drop-in as role inference does
+  hosts: all
+  gather_facts: false
+  vars_files:
+    - "{{ test_repo }}/roles/inference/vars/main.yml"
+  tasks:
+    - name: Render
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/inference/templates/worker.conf.j2"
+        dest: "{{ test_out }}"
+        mode: "0644"
+      vars:
+        _inference_worker_script: /opt/budgetgpu/inference/inference_worker.py
+        _inference_llama_server: /usr/local/lib/budgetgpu/llama-server
+        _inference_pair: "{{ [test_plan, test_plan.workers[0]] }}"
+"""
+
+
+def test_the_head_waits_for_its_rpc_servers_and_a_node_that_stays_down_stops_its_restarts(tmp_path):
+    plan = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
+    out = tmp_path / "worker.conf"
+    result = run_playbook(
+        tmp_path, HEAD_PLAYBOOK, {"test_repo": str(REPO), "test_out": str(out), "test_plan": plan}, host="node1"
+    )
+    assert result.returncode == 0, output_of(result)
+    text = out.read_text()
+    conf = directives(text)
+    # Before llama-server: the wait for node2's two RPC servers (30 s), then a restart 2 s after a failure...
+    wait = engines.inference_rpc_wait_command(plan["workers"][0], 30)
+    assert wait[-3:] == ["node2", "10.0.0.12", "8100"], wait
+    assert f"ExecStartPre={systemd_exec(wait)}" in conf
+    assert "RestartSec=2" in conf
+    # ...at most 5 starts in 10 minutes: an RPC node that stays down fails the head, not a loop.
+    unit_section = text[text.index("[Unit]") :]
+    assert "StartLimitIntervalSec=600" in unit_section and "StartLimitBurst=5" in unit_section
+    # A worker of one node waits for nothing.
+    single = inference_plan(SERVICE | {"nodes_per_worker": 1}, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
+    assert not single["workers"][0]["rpc_servers"]
+
+
+def test_the_heads_wait_passes_once_each_rpc_server_answers_and_fails_naming_a_node_that_does_not():
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        up, down = (str(s.getsockname()[1]) for s in (listening, closed))
+        servers = [{"host": "node2", "address": "127.0.0.1", "port": up}]
+        answered = subprocess.run(
+            engines.inference_rpc_wait_command({"rpc_servers": servers}, 5), capture_output=True, text=True, check=False
+        )
+        assert answered.returncode == 0, answered.stderr
+        servers.append({"host": "node3", "address": "127.0.0.1", "port": down})
+        start = time.monotonic()
+        refused = subprocess.run(
+            engines.inference_rpc_wait_command({"rpc_servers": servers}, 2), capture_output=True, text=True, check=False
+        )
+    assert refused.returncode == 1 and time.monotonic() - start < 10, refused
+    assert f"the llama.cpp RPC server of node node3 (127.0.0.1 port {down}) does not answer after 2 s" in refused.stderr

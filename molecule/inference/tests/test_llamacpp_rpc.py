@@ -1,0 +1,142 @@
+"""One llama.cpp worker over both nodes (issue 43 items 4 and 5), service span of molecule.yml: llama-server on
+inference-node1 (the head) with --rpc to ggml-rpc-server on inference-node2, both on GPU 3. Through the gateway
+with the official openai client; the RPC server killed during a run of requests: the head aborts (llama.cpp's
+behaviour), the units bring the group back (the RPC server's unit, then the head's, which waits for it) and the
+gateway answers 503 with Retry-After meanwhile, never 502; the RPC port admits the head alone.
+
+A CPU build has no device of its own: every layer of the head goes to its one RPC device (RPC0, node2's server),
+and llama-server's default log level does not print the split; the head's connection to node2's server, and its
+abort once that server is killed, show it. The helpers are test_inference.py's; these run after test_llamacpp.py's."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+from test_inference import GATEWAY, KEY, OTHER, gpu_uuids, healthy, main_pid, sh, wait_for
+
+SPAN_PORT, SPAN_GATEWAY = 8400, 8083  # molecule.yml: service span; its RPC server listens on node2's port 8400
+HEAD, RPC = "budgetgpu-infer-span@0.service", "budgetgpu-infer-span.rpc@0.service"
+RPC_SERVER = "/usr/local/lib/budgetgpu/ggml-rpc-server"
+
+# Runs on a node: prints the remote IPv4 address of each established TCP connection to local port argv[1].
+PEERS = r"""
+import socket, struct, sys
+for line in open("/proc/net/tcp").readlines()[1:]:
+    local, remote, state = line.split()[1:4]
+    if state == "01" and int(local.split(":")[1], 16) == int(sys.argv[1]):
+        print(socket.inet_ntoa(struct.pack("<I", int(remote.split(":")[0], 16))))
+"""
+
+# Runs on a node: one completion at a time to argv[1] for at most argv[2] seconds, until 5 answers in a row are 200
+# after one that was not; prints [{t, status, retry_after, error}] (t: seconds since the start).
+RUN = r"""
+import json, sys, time, urllib.error, urllib.request
+url, limit, key = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+body = json.dumps({"model": "span", "prompt": "The cat", "max_tokens": 4}).encode()
+seen, start, failed, good = [], time.monotonic(), False, 0
+while time.monotonic() - start < limit and not (failed and good >= 5):
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json",
+                                                          "Authorization": f"Bearer {key}"})
+    out = {"t": round(time.monotonic() - start, 2), "status": None, "retry_after": None, "error": None}
+    try:
+        with urllib.request.urlopen(req, timeout=30) as answer:
+            out["status"] = answer.status
+            answer.read()
+    except urllib.error.HTTPError as err:
+        out["status"], out["retry_after"] = err.code, err.headers.get("Retry-After")
+    except Exception as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+    failed = failed or out["status"] != 200
+    good = good + 1 if failed and out["status"] == 200 else 0
+    seen.append(out)
+    time.sleep(0.2)
+print(json.dumps(seen))
+"""
+
+
+def test_one_worker_spans_both_nodes_its_head_connected_to_the_rpc_server_on_the_other(addresses) -> None:
+    url = f"http://{addresses[GATEWAY]}:{SPAN_PORT}/health"
+    wait_for(url, lambda: healthy(GATEWAY, url), timeout=120)
+    argv = sh(GATEWAY, f"cat /proc/{main_pid(GATEWAY, HEAD)}/cmdline").split("\0")
+    assert argv[argv.index("--rpc") + 1] == f"{addresses[OTHER]}:{SPAN_PORT}", argv
+    # No head on node2, no RPC server on node1: one worker over both.
+    assert main_pid(OTHER, HEAD) in ("", "0") and main_pid(GATEWAY, RPC) in ("", "0")
+    pid = main_pid(OTHER, RPC)
+    rpc = sh(OTHER, f"cat /proc/{pid}/cmdline").split("\0")
+    assert rpc[:6] == [RPC_SERVER, "--host", addresses[OTHER], "--port", str(SPAN_PORT), "--cache"], rpc
+    assert sh(OTHER, f"stat -c %U /proc/{pid}").strip() == "budgetgpu-infer"
+    env = sh(OTHER, f"systemctl show -p Environment --value {RPC}").split()
+    assert f"CUDA_VISIBLE_DEVICES={gpu_uuids(OTHER)[3]}" in env, env
+    # The head holds its connection to node2's server (the layers are there).
+    peers = sh(OTHER, f"python3 -c '{PEERS}' {SPAN_PORT}").split()
+    assert addresses[GATEWAY] in peers, peers
+
+
+def test_the_official_openai_client_completes_and_streams_through_the_gateway_of_the_split_model(gateway) -> None:
+    script = f"""
+import json, openai
+client = openai.OpenAI(base_url="http://{gateway}:{SPAN_GATEWAY}/v1", api_key="{KEY}", max_retries=0)
+extra = {{"ignore_eos": True}}
+done = client.completions.create(model="span", prompt="The cat", max_tokens=8, extra_body=extra)
+pieces = [c.choices[0].text for c in client.completions.create(
+    model="span", prompt="The cat", max_tokens=6, stream=True, extra_body=extra) if c.choices]
+print(json.dumps({{"tokens": done.usage.completion_tokens, "text": done.choices[0].text, "pieces": len(pieces)}}))
+"""
+    got = json.loads(sh(OTHER, f"/opt/test-clients/openai/bin/python - <<'EOF'\n{script}\nEOF"))
+    assert got["tokens"] == 8 and got["text"] and got["pieces"] >= 2, got
+
+
+def test_a_killed_rpc_server_costs_a_restart_with_503s_and_retry_after_never_a_502(addresses, gateway) -> None:
+    head, rpc = main_pid(GATEWAY, HEAD), main_pid(OTHER, RPC)
+    run = subprocess.Popen(
+        ["docker", "exec", OTHER, "python3", "-c", RUN, f"http://{gateway}:{SPAN_GATEWAY}/v1/completions", "90", KEY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3)
+    sh(OTHER, f"kill -KILL {rpc}")
+    killed = time.monotonic()
+    out, err = run.communicate(timeout=150)
+    assert run.returncode == 0, err[-2000:]
+    seen = json.loads(out)
+    statuses = [answer["status"] for answer in seen]
+    # Served before the kill; then 503s, each with Retry-After, and no 502 or broken answer; then served again.
+    assert statuses[0] == 200 and 503 in statuses, seen
+    assert set(statuses) == {200, 503}, [answer for answer in seen if answer["status"] not in (200, 503)][:3]
+    assert all(answer["retry_after"] for answer in seen if answer["status"] == 503), seen
+    assert statuses[-5:] == [200] * 5, seen
+    first_503 = next(answer["t"] for answer in seen if answer["status"] == 503)
+    back = next(answer["t"] for answer in seen if answer["t"] > first_503 and answer["status"] == 200)
+    print(f"span served again {back - first_503:.1f} s after its first 503 ({time.monotonic() - killed:.1f} s wall)")
+    assert back - first_503 < 60, seen
+    # The RPC server's unit restarted it; the head aborted (llama.cpp's behaviour) and its unit restarted it.
+    assert main_pid(OTHER, RPC) not in ("", "0", rpc) and main_pid(GATEWAY, HEAD) not in ("", "0", head)
+    journal = sh(GATEWAY, f"journalctl -u {HEAD} --since '-5min' --no-pager")
+    assert "Remote RPC server crashed" in journal, journal[-2000:]
+
+
+def connects(node: str | None, user: str, address: str, port: int) -> bool:
+    """Whether a TCP connection to address:port opens from `node` as `user` (None: this host, outside the
+    cluster)."""
+    if node is None:
+        try:
+            socket.create_connection((address, port), timeout=5).close()
+        except OSError:
+            return False
+        return True
+    probe = f"import socket; socket.create_connection(('{address}', {port}), timeout=5).close()"
+    return subprocess.run(["docker", "exec", "--user", user, node, "python3", "-c", probe],
+                          capture_output=True, timeout=60, check=False).returncode == 0  # fmt: skip
+
+
+def test_the_rpc_port_admits_the_head_alone(addresses) -> None:
+    rpc = addresses[OTHER]
+    # The head's node (root, as the head's probe runs as the workers' user there too) connects...
+    assert connects(GATEWAY, "root", rpc, SPAN_PORT)
+    # ...the host outside the cluster and a user of node2 itself that is not root are reset.
+    assert not connects(None, "", rpc, SPAN_PORT)
+    assert not connects(OTHER, "nobody", rpc, SPAN_PORT)
