@@ -374,11 +374,18 @@ def save_sharded(directory: str, step: int, wrapped: Wrapped, optimizer: Any, ke
     if wrapped.settings.parallelism == "fsdp" and dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         _share_metadata(partial, wrapped.timer.device)
     dist.barrier()
-    if first:
+
+    def publish() -> None:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in sharded_steps(directory)[:-keep]:
             shutil.rmtree(sharded_path(directory, old), ignore_errors=True)
+
+    if dist.get_rank() == 0:
+        publish()
+    dist.barrier()
+    if first and dist.get_rank() != 0 and os.path.isdir(partial):
+        publish()
     dist.barrier()
     return final
 
