@@ -45,6 +45,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     STATE_PRECISIONS,
     STATES,
     USER_NAME,
+    image_bads,
     job_backend,
     job_hosts,
     job_master,
@@ -86,6 +87,10 @@ def _where(hosts: list[str]) -> str:
     return ",".join(hosts) if hosts else "all"
 
 
+def _below(path: str | None, directory: Any) -> bool:
+    return bool(path and isinstance(directory, str)) and posixpath.commonpath([path, directory]) == directory
+
+
 def job_script_path(job: Mapping[str, Any]) -> str | None:
     """Return the absolute path of a job's script on the nodes (relative paths: in its workdir)."""
     script = job.get("script")
@@ -97,12 +102,14 @@ def job_script_path(job: Mapping[str, Any]) -> str | None:
 def preflight_script_paths(
     jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], provided: list[str] | None = None
 ) -> list[str]:
-    """Return the scripts that must exist on host (those of its jobs, minus the collection's own)."""
+    """Return the scripts that must exist on host (those of its jobs, minus the collection's own). An image job's
+    script outside its workdir is a path inside the image (only the workdir is the host's), not checked here."""
     paths = []
     for job in jobs:
         if host in job_hosts(job, groups) and job.get("state") != "absent":
             path = job_script_path(job)
-            if path and path not in (provided or []) and path not in paths:
+            in_image = job.get("image") and not _below(path, job.get("workdir"))
+            if path and not in_image and path not in (provided or []) and path not in paths:
                 paths.append(path)
     return paths
 
@@ -263,6 +270,7 @@ def _bad_runtime(job: Mapping[str, Any]) -> Iterator[Bad]:
             yield field, job.get(field), "true or false", ""
     if not isinstance(job.get("node_ranks"), Mapping):
         yield "node_ranks", job.get("node_ranks"), "a dict of host: rank", ""
+    yield from image_bads(job)
 
 
 def _check_job_fields(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[Problem]:

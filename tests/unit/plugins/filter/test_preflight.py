@@ -189,6 +189,25 @@ def test_script_paths_skip_the_collections_own_example():
     assert preflight_script_paths(job_list, "node3", GROUPS, [EXAMPLE]) == []
 
 
+def test_an_image_jobs_script_is_checked_on_the_host_only_in_its_workdir():
+    image = "registry.example/train@sha256:" + "a" * 64
+    job_list = jobs(
+        {"name": "inside", "image": image, "script": "/opt/app/train.py"},
+        {"name": "mounted", "image": image, "script": "train.py", "port": 1},
+        {"name": "venv", "script": "/opt/app/train.py", "port": 2},
+    )
+    assert preflight_script_paths(job_list, "node1", GROUPS) == [
+        "/var/lib/budgetgpu/jobs/mounted/train.py",
+        "/opt/app/train.py",
+    ]
+
+
+def test_an_image_without_a_digest_is_refused_naming_the_field():
+    result = check(jobs({"image": "nvidia/cuda:12.1"}))
+    assert ("node1,node2", "image") in fields(result)
+    assert "nvidia/cuda:12.1" in "\n".join(result["report"])
+
+
 def test_script_and_module_are_exclusive():
     assert ("node1,node2", "script") in fields(check(jobs({"module": "pkg.train"})))
     assert ("node1,node2", "script") in fields(check(jobs({"script": None})))
