@@ -6,7 +6,8 @@ across nodes), with the job's precisions and activation checkpointing; and the s
 Part of the node package (role node_venv), on the job venv's path. The job model's keys (parallelism,
 mixed_precision, state_precision, activation_checkpointing: plugin_utils/jobs.py) reach it through the unit's
 environment (BUDGETGPU_PARALLELISM, ...). Preflight has refused what cannot run (fsdp on one rank, hsdp on one
-node, bf16 below compute capability 8.0 or on gloo, fp16 under sharding). A training loop:
+node, bf16 below compute capability 8.0 or on gloo, fp16 under sharding). budgetgpu_node.training's Job wraps the
+model through it and adds the job's checkpoints, resume, stop and status; the loop underneath:
 
     from budgetgpu_node.sharding import wrap_model
 
@@ -178,6 +179,9 @@ class Wrapped:
         from torch.nn.parallel import DistributedDataParallel
 
         return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     def micro_batches(self) -> Iterator[contextlib.AbstractContextManager[None]]:
         return self.timer.micro_batches(self._sync)
@@ -352,9 +356,12 @@ def _share_metadata(path: str, device: Any) -> None:
         os.replace(target + ".tmp", target)
 
 
-def save_sharded(directory: str, step: int, wrapped: Wrapped, optimizer: Any, keep: int = 3) -> str:
-    """Every rank writes its shards of model and optimizer (and the step) into step-<step>.dcp on its node; the
-    directory is renamed into place once complete, then all but the newest `keep` are removed. Collective."""
+def save_sharded(
+    directory: str, step: int, wrapped: Wrapped, optimizer: Any, keep: int = 3, data: dict[str, int] | None = None
+) -> str:
+    """Every rank writes its shards of model and optimizer (and the step and data position, numbers) into
+    step-<step>.dcp on its node; the directory is renamed into place once complete, then all but the newest `keep`
+    are removed. Collective."""
     import shutil
 
     import torch.distributed as dist
@@ -369,7 +376,7 @@ def save_sharded(directory: str, step: int, wrapped: Wrapped, optimizer: Any, ke
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(wrapped.module, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": step}
+    state = {"model": model_state, "optimizer": optimizer_state, "step": step, "data": dict(data or {})}
     dcp.save(state, checkpoint_id=partial, process_group=_node_group(wrapped))
     if wrapped.settings.parallelism == "fsdp" and dist.get_world_size() > int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
         _share_metadata(partial, wrapped.timer.device)
@@ -409,9 +416,11 @@ def newest_common_step(directory: str, device: Any, keep: int = 3) -> int:
     return max(common, default=0)
 
 
-def load_sharded(directory: str, wrapped: Wrapped, optimizer: Any, keep: int = 3) -> int:
-    """Load the newest checkpoint every node holds into model and optimizer, resharded to this run's world
-    size; return its step (0: none). Collective."""
+def load_sharded(
+    directory: str, wrapped: Wrapped, optimizer: Any, keep: int = 3, data: dict[str, int] | None = None
+) -> int:
+    """Load the newest checkpoint every node holds into model and optimizer (and into data the data position saved
+    with it, keys as data has them), resharded to this run's world size; return its step (0: none). Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -419,7 +428,9 @@ def load_sharded(directory: str, wrapped: Wrapped, optimizer: Any, keep: int = 3
     if step == 0:
         return 0
     model_state, optimizer_state = get_state_dict(wrapped.module, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": 0}
+    state = {"model": model_state, "optimizer": optimizer_state, "step": 0, "data": dict(data or {})}
     dcp.load(state, checkpoint_id=sharded_path(directory, step), process_group=_node_group(wrapped))
     set_state_dict(wrapped.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if data is not None:
+        data.update(state["data"])
     return int(state["step"])

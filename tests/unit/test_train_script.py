@@ -103,26 +103,6 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(train, capsys,
     assert any(line.startswith("resumed from step 10 ") for line in lines)
 
 
-def test_a_crash_while_saving_leaves_the_previous_checkpoint_and_no_partial_file(train, tmp_path, monkeypatch):
-    train.save_checkpoint(tmp_path, 10, {"step": 10})
-
-    def crash(*_args):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(train.os, "replace", crash)
-    with pytest.raises(OSError, match="disk full"):
-        train.save_checkpoint(tmp_path, 20, {"step": 20})
-    assert [p.name for p in tmp_path.iterdir()] == ["step-00000010.pt"]
-    assert train.load_latest(tmp_path)[0] == 10
-
-
-def test_the_policy_saves_by_steps_or_by_minutes(train):
-    policy = train.CheckpointPolicy(minutes=15, steps=0, last_time=0.0, last_step=0)
-    assert not policy.due(1000, 899.0) and policy.due(1001, 900.0)
-    policy = train.CheckpointPolicy(minutes=0, steps=50, last_time=0.0, last_step=100)
-    assert not policy.due(149, 1e9) and policy.due(150, 0.0)
-
-
 def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(train, capsys, tmp_path, monkeypatch):
     real_sleep = train.time.sleep
     calls = {"n": 0}
