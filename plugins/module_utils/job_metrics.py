@@ -66,7 +66,7 @@ STATUS_FIELDS = {
     "straggler_ratio": NUMBER,
     "straggler_threshold": NUMBER,
     "window_steps": NUMBER,
-    # What the job runs (train_ddp's settings_status): the verdict and the dashboard read them.
+    # What the job runs (training.settings_status): the verdict and the dashboard read them.
     "backend": TEXT,
     "gradient_compression": TEXT,
     "bucket_cap_mb": NUMBER,
