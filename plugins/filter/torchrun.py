@@ -36,6 +36,8 @@ systemd_show = jobs.systemd_show
 running_units = jobs.running_units
 torchrun_job_status = jobs.torchrun_job_status
 torchrun_image_problems = as_filter(jobs.torchrun_image_problems)
+torchrun_images_found = jobs.images_found
+torchrun_image_environment = jobs.image_environment
 
 
 class FilterModule:
@@ -47,6 +49,8 @@ class FilterModule:
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,
             "torchrun_image_problems": torchrun_image_problems,
+            "torchrun_images_found": torchrun_images_found,
+            "torchrun_image_environment": torchrun_image_environment,
             "torchrun_masters_unknown": torchrun_masters_unknown,
             "torchrun_recorded_masters": torchrun_recorded_masters,
             "cluster_nodes": cluster_nodes,

@@ -25,8 +25,8 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     powersgd_start_step: 1000
     bucket_cap_mb: 25                   # DDP's gradient bucket size
     accumulate_steps: 1                 # micro-batches per optimizer step (no_sync on all but the last)
-    image: nvcr.io/nvidia/pytorch@sha256:<64 hex>   # or {tarball: <control-node path>, digest: sha256:<image id>};
-                                        # venv is then the image's Python prefix (default /usr)
+    image: nvcr.io/nvidia/pytorch@sha256:<64 hex>   # or {tarball: <control-node path>, digest: sha256:<image id>}:
+                                        # runs in the image with its python3 (venv is not used)
 """
 
 from __future__ import annotations
@@ -158,8 +158,6 @@ ENV_DIR = "/etc/budgetgpu/jobs"
 # Root's unpacked images, <it>/<digest's hex>/rootfs (read-only for everyone else), and beside each its
 # environment (the image's Config.Env) as an env file for the unit.
 IMAGE_ROOT = "/var/lib/budgetgpu/images"
-# An image job's Python prefix unless the job names its venv: /usr/bin/python3, as in NGC's and Debian's images.
-IMAGE_PYTHON_PREFIX = "/usr"
 # Where an image job finds the driver's user-space libraries (nvidia/cuda's images have it on LD_LIBRARY_PATH).
 NVIDIA_LIBRARIES = "/usr/local/nvidia/lib64"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -205,9 +203,6 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in {"user": user, "venv": venv}.items() if v})
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
-    if merged.get("image") and "venv" not in job:
-        # The host's venv and torchrun_job_defaults' venv do not exist in an image.
-        merged["venv"] = IMAGE_PYTHON_PREFIX
     coerce_numbers(merged)
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
@@ -315,6 +310,20 @@ def job_backend(job: Mapping[str, Any], node: Mapping[str, Any]) -> str:
     return "gloo" if node.get("simulated") else "nccl"
 
 
+def _launch_argv(job: Mapping[str, Any], launcher: str | None) -> list[str]:
+    """What starts torchrun: the launcher run by the venv's python, the venv's torchrun without one; in an image,
+    the launcher alone."""
+    if job.get("image"):
+        if not launcher:
+            raise ValueError(f"job {job.get('name')}: an image job runs through the launcher (torchrun_launcher)")
+        # The launcher, bound into the image at its host path, starts with #!/usr/bin/env python3: the image's
+        # python3 on the image's PATH, as docker run would find it. The unit's ExecStart is then a file
+        # the host has too, which systemd-analyze verify looks for there.
+        return [launcher]
+    venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
+    return [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
+
+
 def torchrun_argv(
     job: Mapping[str, Any],
     host: str,
@@ -323,7 +332,7 @@ def torchrun_argv(
     launcher: str | None = None,
 ) -> list[str]:
     """Return the unit's ExecStart as an argv list for this host: <venv>/bin/torchrun, or the
-    launcher (a torchrun wrapper) run by the venv's python."""
+    launcher (a torchrun wrapper) run by the venv's python, or in an image the launcher alone."""
     hosts = job_hosts(job, groups)
     node = nodes.get(host) or {}
     nproc = job_nproc(job, node)
@@ -335,8 +344,7 @@ def torchrun_argv(
     is_master = host == job_master(job, groups)
     static = job.get("rendezvous") == "static"
     rank = job_node_ranks(job, groups, nodes).get(host) if static else None
-    venv_bin = f"{str(job['venv']).rstrip('/')}/bin"
-    argv = [f"{venv_bin}/python3", launcher] if launcher else [f"{venv_bin}/torchrun"]
+    argv = _launch_argv(job, launcher)
     if launcher and not (rank == 0 if static else is_master):
         # The launcher waits for the master's store before torchrun starts, so that a long
         # outage of the master is a wait, not a row of failed starts that ends in systemd's
@@ -452,10 +460,13 @@ def image_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
 
 def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
     """Return what the nodes do with a job's image (None: a venv job): {ref: what docker names it by,
-    digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment}.
+    digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment,
+    nvidia_libraries: where the unit binds the driver's libraries}.
     A bad image raises ValueError naming job, key, found and expected."""
     for field, found, expected, hint in image_bads(job):
-        raise ValueError(f"job {job.get('name')}: {field}: found {found!r}, expected {expected}" + (f" ({hint})" if hint else ""))
+        raise ValueError(
+            f"job {job.get('name')}: {field}: found {found!r}, expected {expected}" + (f" ({hint})" if hint else "")
+        )
     value = job.get("image")
     if value is None:
         return None
@@ -465,7 +476,8 @@ def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
         # docker load keeps the tarball's tags, or none: the image is named by its id.
         ref, digest, tarball = value["digest"], value["digest"], value["tarball"]
     where = f"{IMAGE_ROOT}/{digest.partition(':')[2]}"
-    return {"ref": ref, "digest": digest, "tarball": tarball, "root": f"{where}/rootfs", "env_file": f"{where}/env"}
+    image = {"ref": ref, "digest": digest, "tarball": tarball, "root": f"{where}/rootfs", "env_file": f"{where}/env"}
+    return {**image, "nvidia_libraries": NVIDIA_LIBRARIES}
 
 
 def image_environment(config_env: list[str] | None, node_packages: str) -> dict[str, str]:
@@ -488,7 +500,23 @@ def image_cuda(config_env: list[str] | None) -> str | None:
     return env.get("CUDA_VERSION") or None
 
 
-def torchrun_image_problems(jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]) -> list[str]:
+def images_found(results: list[Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Return the node's images as the fact budgetgpu_job_images: {digest: {id, cuda, env}}, from the results of
+    `docker image inspect REF` looped over the plan's images (item: job_image's dict); an image docker does
+    not have (rc 1) is left out."""
+    found = {}
+    for result in results or []:
+        if result.get("rc") != 0 or not result.get("stdout"):
+            continue
+        (inspect,) = json.loads(result["stdout"])
+        env = list((inspect.get("Config") or {}).get("Env") or [])
+        found[str(result["item"]["digest"])] = {"id": inspect.get("Id"), "cuda": image_cuda(env), "env": env}
+    return found
+
+
+def torchrun_image_problems(
+    jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
+) -> list[str]:
     """Return why the image jobs cannot start: a job's image missing on one of its nodes, an image whose id
     differs between nodes (the same name and digest, or a tarball, gave different images), an image built
     for a newer CUDA than a node's driver runs. Each node reports its images as the fact
@@ -499,13 +527,18 @@ def torchrun_image_problems(jobs: list[Mapping[str, Any]], groups: Mapping[str, 
         image = job_image(job) if job.get("state") != "absent" else None
         if image is None:
             continue
-        found = {host: (fact(hostvars, host, "budgetgpu_job_images") or {}).get(image["digest"]) or {} for host in job_hosts(job, groups)}
+        found = {
+            host: (fact(hostvars, host, "budgetgpu_job_images") or {}).get(image["digest"]) or {}
+            for host in job_hosts(job, groups)
+        }
         what = f"job {job.get('name')}: image {image['tarball'] or image['ref']}"
         for host in sorted(host for host, seen in found.items() if not seen.get("id")):
             problems.append(f"{host}: {what} is missing on the node (the pull or load did not give it)")
         ids = {seen["id"]: host for host, seen in found.items() if seen.get("id")}
         if len(ids) > 1:
-            listed = ", ".join(f"{host}: {image_id}" for image_id, host in sorted(ids.items(), key=lambda item: item[1]))
+            listed = ", ".join(
+                f"{host}: {image_id}" for image_id, host in sorted(ids.items(), key=lambda item: item[1])
+            )
             problems.append(f"{what} differs between nodes ({listed}): every node must run the same image")
         for host, seen in sorted(found.items()):
             driver = parse_cuda_version(driver_cuda(fact(hostvars, host, "budgetgpu_gpus"), simulated(hostvars, host)))
@@ -513,7 +546,8 @@ def torchrun_image_problems(jobs: list[Mapping[str, Any]], groups: Mapping[str, 
             if driver and built and built > driver:
                 problems.append(
                     f"{host}: {what} is built for CUDA {seen['cuda']}, the node's driver runs CUDA "
-                    f"{driver[0]}.{driver[1]}: choose an image of CUDA {driver[0]}.{driver[1]} or older, or upgrade the driver"
+                    f"{driver[0]}.{driver[1]}: choose an image of CUDA {driver[0]}.{driver[1]} or older, "
+                    "or upgrade the driver"
                 )
     return problems
 

@@ -163,14 +163,15 @@ JOB_UNIT_PLAYBOOK = """\
              | budgetgpu.cluster.torchrun_jobs_normalize | first
              | combine({'exec_start': '"/opt/budgetgpu/venv/bin/python3" "/opt/budgetgpu/bin/budgetgpu-torchrun"',
                          'device_allow': [] | budgetgpu.cluster.gpu_unit_device_allow(
-                           range(test_job_gpus | default(0)))}) }}
+                           range(test_job_gpus | default(0)))})
+             | combine(test_job | default({})) }}
 """
 
 
 def render_job_unit(tmp_path: Path, extra_vars: dict | None = None) -> Path:
     """Render roles/torchrun's budgetgpu-job.service.j2 for a job "main" with the role's defaults and
     vars (extra_vars override them; test_job_gpus: how many GPUs of the node the job's ranks hold, 0 unless
-    given); return the unit file."""
+    given; test_job: keys of the plan's job to set, such as its image); return the unit file."""
     out = tmp_path / "budgetgpu-job-main.service"
     variables = {"test_repo": str(REPO), "test_out": str(out), **(extra_vars or {})}
     result = run_playbook(tmp_path, JOB_UNIT_PLAYBOOK, variables)

@@ -3,11 +3,14 @@ environment the image gives its unit, and the refusals before an image job start
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     image_bads,
     image_cuda,
     image_environment,
+    images_found,
     job_image,
     torchrun_image_problems,
     torchrun_jobs_normalize,
@@ -27,6 +30,7 @@ def test_a_pinned_image_runs_from_roots_unpacked_root_filesystem():
         "tarball": None,
         "root": f"/var/lib/budgetgpu/images/{HEX}/rootfs",
         "env_file": f"/var/lib/budgetgpu/images/{HEX}/env",
+        "nvidia_libraries": "/usr/local/nvidia/lib64",
     }
 
 
@@ -50,7 +54,11 @@ def test_a_venv_job_has_no_image():
         ("nvcr.io/nvidia/pytorch:24.01-py3", "image", "NAME@sha256:<64 hex digits>, the image pinned by digest"),
         (f"nvidia/cuda@sha256:{HEX[:10]}", "image", "a digest after the @: sha256: and 64 lowercase hex digits"),
         (f"@sha256:{HEX}", "image", "NAME@sha256:<64 hex digits> with an image name before the @"),
-        (["nvidia/cuda"], "image", "NAME@sha256:<digest>, or {tarball: <path on the control node>, digest: sha256:<id>}"),
+        (
+            ["nvidia/cuda"],
+            "image",
+            "NAME@sha256:<digest>, or {tarball: <path on the control node>, digest: sha256:<id>}",
+        ),
         ({"tarball": "train.tar", "digest": f"sha256:{HEX}"}, "image.tarball", "an absolute path on the control node"),
         ({"tarball": "/srv/t.tar"}, "image.digest", "the image id docker load gives: sha256: and 64 lowercase hex"),
         ({"tarball": "/srv/t.tar", "digest": f"sha256:{HEX}", "tag": "x"}, "image.tag", "only tarball and digest"),
@@ -69,22 +77,20 @@ def test_a_tag_alone_is_refused_with_the_way_to_its_digest():
     assert "RepoDigests" in bad[3]
 
 
-def test_an_image_job_runs_the_images_python_unless_it_names_its_own():
-    plain, own = torchrun_jobs_normalize([JOB, {**JOB, "name": "own", "venv": "/opt/conda"}], {"venv": "/srv/v"}, venv="/opt/v")
-    assert (plain["venv"], own["venv"]) == ("/usr", "/opt/conda")
-    (venv_job,) = torchrun_jobs_normalize([{"name": "v", "script": "/srv/t.py"}], {"venv": "/srv/v"})
-    assert venv_job["venv"] == "/srv/v"
-
-
 def test_the_plan_carries_the_image_and_refuses_a_bad_one():
     nodes = {"node0": {"gpu_count": 2, "address": "10.0.0.1"}, "node1": {"gpu_count": 2}}
-    (item,) = torchrun_plan(torchrun_jobs_normalize([JOB]), "node1", GROUPS, nodes, "/opt/budgetgpu/bin/budgetgpu-torchrun")
+    (item,) = torchrun_plan(
+        torchrun_jobs_normalize([JOB]), "node1", GROUPS, nodes, "/opt/budgetgpu/bin/budgetgpu-torchrun"
+    )
     assert item["image"]["root"] == f"/var/lib/budgetgpu/images/{HEX}/rootfs"
-    assert item["argv"][:2] == ["/usr/bin/python3", "/opt/budgetgpu/bin/budgetgpu-torchrun"]
-    (venv_item,) = torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": None}]), "node1", GROUPS, nodes)
-    assert venv_item["image"] is None
+    # The launcher alone: its #!/usr/bin/env python3 finds the image's python3 on the image's PATH.
+    assert item["argv"][:2] == ["/opt/budgetgpu/bin/budgetgpu-torchrun", "--wait-for-master=10.0.0.1:29500"]
+    with pytest.raises(ValueError, match="job main: an image job runs through the launcher"):
+        torchrun_plan(torchrun_jobs_normalize([JOB]), "node1", GROUPS, nodes)
+    (venv_item,) = torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": None}]), "node1", GROUPS, nodes, "/l")
+    assert venv_item["image"] is None and venv_item["argv"][:2] == ["/opt/budgetgpu/venv/bin/python3", "/l"]
     with pytest.raises(ValueError, match="job main: image: found 'nvidia/cuda:12.1'"):
-        torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": "nvidia/cuda:12.1"}]), "node1", GROUPS, nodes)
+        torchrun_plan(torchrun_jobs_normalize([{**JOB, "image": "nvidia/cuda:12.1"}]), "node1", GROUPS, nodes, "/l")
 
 
 def test_the_images_environment_gets_the_node_package_and_the_drivers_libraries():
@@ -118,7 +124,9 @@ def test_an_image_missing_on_a_node_is_refused_naming_node_and_image():
 
 def test_an_image_that_differs_between_nodes_is_refused_naming_both():
     other = "sha256:" + "ef" * 32
-    (problem,) = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(other)})
+    (problem,) = torchrun_image_problems(
+        torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(other)}
+    )
     assert problem == (
         f"job main: image {PINNED} differs between nodes (node0: sha256:{'cd' * 32}, node1: {other}): "
         "every node must run the same image"
@@ -143,3 +151,19 @@ def test_simulated_nodes_and_images_without_cuda_are_not_compared():
 def test_venv_jobs_and_absent_jobs_need_no_image():
     jobs = torchrun_jobs_normalize([{**JOB, "image": None}, {**JOB, "name": "gone", "state": "absent"}])
     assert torchrun_image_problems(jobs, GROUPS, {}) == []
+
+
+def test_the_nodes_images_are_what_docker_inspect_found():
+    inspect = [{"Id": "sha256:" + "cd" * 32, "Config": {"Env": ["PATH=/usr/bin", "CUDA_VERSION=12.1.1"]}}]
+    image = job_image(JOB)
+    results = [
+        {"item": image, "rc": 0, "stdout": json.dumps(inspect)},
+        {"item": {**image, "digest": "sha256:" + "00" * 32}, "rc": 1, "stdout": "[]"},
+    ]
+    assert images_found(results) == {
+        f"sha256:{HEX}": {
+            "id": "sha256:" + "cd" * 32,
+            "cuda": "12.1.1",
+            "env": ["PATH=/usr/bin", "CUDA_VERSION=12.1.1"],
+        }
+    }

@@ -1,0 +1,89 @@
+"""An image job's unit (issue 44): the venv job's unit with the image's root filesystem as its root, the
+job's directories and what its launcher needs of the host bound in; a venv job's unit has none of it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_image, systemd_exec
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, render_job_unit
+
+HEX = "ab" * 32
+IMAGE = job_image({"name": "main", "image": f"nvcr.io/nvidia/pytorch@sha256:{HEX}"})
+LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+
+
+def service_values(unit: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(f"{key}=")]
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory) -> str:
+    """The launcher as install.yml installs it (0755): an image unit's ExecStart, a file the host has too."""
+    path = tmp_path_factory.mktemp("bin") / "budgetgpu-torchrun"
+    shutil.copy(REPO / "roles/torchrun/files/budgetgpu-torchrun", path)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def image_unit(tmp_path_factory, launcher) -> Path:
+    tmp_path = tmp_path_factory.mktemp("image-unit")
+    return render_job_unit(
+        tmp_path,
+        {
+            "test_job": {"image": IMAGE, "exec_start": systemd_exec([launcher, "--nproc-per-node=1"])},
+            "torchrun_launcher": launcher,
+            "_torchrun_driver_libraries": [LIBCUDA],
+        },
+    )
+
+
+def test_the_image_is_the_units_root_and_its_environment_comes_first(image_unit):
+    unit = image_unit.read_text()
+    assert service_values(unit, "RootDirectory") == [f"/var/lib/budgetgpu/images/{HEX}/rootfs"]
+    assert service_values(unit, "MountAPIVFS") == ["yes"]
+    assert service_values(unit, "EnvironmentFile") == [
+        f"/var/lib/budgetgpu/images/{HEX}/env",
+        "-/etc/budgetgpu/nccl.env",
+        "/etc/budgetgpu/jobs/main.env",
+    ]
+
+
+def test_the_jobs_directories_and_what_the_launcher_needs_are_bound_in(image_unit, launcher):
+    unit = image_unit.read_text()
+    assert service_values(unit, "BindPaths") == [
+        "/var/lib/budgetgpu/jobs/main /var/lib/budgetgpu/jobs/main/checkpoints"
+    ]
+    assert service_values(unit, "BindReadOnlyPaths") == [
+        f"{Path(launcher).parent} /opt/budgetgpu/node/packages -/opt/budgetgpu/examples -/var/lib/budgetgpu/gpu-health "
+        "-/etc/hosts -/etc/resolv.conf /etc/passwd /etc/group",
+        f"{LIBCUDA}:/usr/local/nvidia/lib64/libcuda.so.1",
+    ]
+
+
+def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
+    # Apart from its ExecStart (the plan's: the launcher alone) and what the image adds.
+    venv = [
+        line for line in render_job_unit(tmp_path).read_text().splitlines() if not line.startswith(("#", "ExecStart="))
+    ]
+    added = (
+        "RootDirectory=",
+        "MountAPIVFS=",
+        "BindPaths=",
+        "BindReadOnlyPaths=",
+        "EnvironmentFile=/var/lib/budgetgpu/images",
+    )
+    image = image_unit.read_text().splitlines()
+    assert [line for line in image if not line.startswith(("#", "ExecStart=", *added))] == venv
+    assert not [line for line in venv if line.startswith(added)]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_systemd_analyze_verifies_the_image_unit(image_unit):
+    # As configure.yml verifies it on a node: systemd-analyze looks for the ExecStart (the launcher) on the host.
+    result = subprocess.run(["systemd-analyze", "verify", str(image_unit)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
