@@ -519,18 +519,18 @@ def torchrun_image_problems(
 ) -> list[str]:
     """Return why the image jobs cannot start: a job's image missing on one of its nodes, an image whose id
     differs between nodes (the same name and digest, or a tarball, gave different images), an image built
-    for a newer CUDA than a node's driver runs. Each node reports its images as the fact
-    budgetgpu_job_images ({digest: {id, cuda}}, docker image inspect after the pull or load; {} where
-    missing), and its driver in budgetgpu_gpus."""
+    for a newer CUDA than a node's driver runs. Each node this run looked at reports its images as the fact
+    budgetgpu_job_images ({digest: {id, cuda, env}}, images_found after the pull or load), and its driver in
+    budgetgpu_gpus."""
     problems = []
     for job in jobs:
         image = job_image(job) if job.get("state") != "absent" else None
         if image is None:
             continue
-        found = {
-            host: (fact(hostvars, host, "budgetgpu_job_images") or {}).get(image["digest"]) or {}
-            for host in job_hosts(job, groups)
-        }
+        # A node this run did not look at (no fact: outside the play, or an ansible-pull run of another node)
+        # is not judged; one that looked and has no such image is.
+        seen_by = {host: fact(hostvars, host, "budgetgpu_job_images") for host in job_hosts(job, groups)}
+        found = {host: images.get(image["digest"]) or {} for host, images in seen_by.items() if images is not None}
         what = f"job {job.get('name')}: image {image['tarball'] or image['ref']}"
         for host in sorted(host for host, seen in found.items() if not seen.get("id")):
             problems.append(f"{host}: {what} is missing on the node (the pull or load did not give it)")

@@ -108,6 +108,7 @@ def test_the_images_environment_gets_the_node_package_and_the_drivers_libraries(
 
 
 def facts(image_id: str | None = "sha256:" + "cd" * 32, cuda: str | None = "12.1.1", driver: str = "12.4") -> dict:
+    """A node's facts after images.yml: its images (none without image_id) and its driver."""
     images = {f"sha256:{HEX}": {"id": image_id, "cuda": cuda}} if image_id else {}
     gpus = {"count": 1, "driver": {"loaded": True, "cuda_driver_version": driver}}
     return {"budgetgpu_job_images": images, "budgetgpu_gpus": gpus}
@@ -120,6 +121,12 @@ def test_the_same_image_on_every_node_within_the_drivers_cuda_passes():
 def test_an_image_missing_on_a_node_is_refused_naming_node_and_image():
     problems = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(None)})
     assert problems == [f"node1: job main: image {PINNED} is missing on the node (the pull or load did not give it)"]
+
+
+def test_a_node_this_run_did_not_look_at_is_not_judged():
+    # An ansible-pull run knows only its own node; a node outside the play has no budgetgpu_job_images.
+    hostvars = {"node0": facts(), "node1": {"budgetgpu_gpus": facts()["budgetgpu_gpus"]}}
+    assert torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, hostvars) == []
 
 
 def test_an_image_that_differs_between_nodes_is_refused_naming_both():
