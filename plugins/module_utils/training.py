@@ -57,7 +57,9 @@ MAX_STOP_GAP = 100
 
 
 def log(msg: str) -> None:
-    print(msg, flush=True)
+    """A line of the job's log (its journal), at once."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
 
 
 @dataclass(frozen=True)
