@@ -67,25 +67,32 @@ def start(cpus: float, period_ms: float, torch_path: Path) -> None:
            "-v", f"{HERE}:/opt/bench:ro", "--entrypoint", "sleep", IMAGE, "infinity")  # fmt: skip
 
 
+def launch(worker: list[str], out: str, minutes: float, env: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Run worker (a command line) in every node container as one gloo group of 4 ranks (RANK by container),
+    with `env` ("NAME=value") added; return rank 0's JSON lines. Each rank's output goes to out.rankN.log."""
+    base = ("PYTHONPATH=/opt/torch:/opt/node", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=eth0",
+            "MASTER_ADDR=10.231.227.11", f"MASTER_PORT={PORT}", f"WORLD_SIZE={len(NODES)}", "LOCAL_RANK=0")  # fmt: skip
+    logs = [Path(f"{out}.rank{rank}.log") for rank in range(len(NODES))]
+    procs = []
+    for rank, (name, log) in enumerate(zip(NODES, logs, strict=True)):
+        with open(log, "w") as handle:  # rank 0's rows as they come: tail -f it
+            variables = [word for value in (*base, *env, f"RANK={rank}") for word in ("-e", value)]
+            command = ["docker", "exec", *variables, name, *worker]
+            procs.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True))
+    # A round started before the deadline finishes after it: allow one more round's time.
+    for proc, log in zip(procs, logs, strict=True):
+        if proc.wait(timeout=minutes * 60 * 2 + 300) != 0:
+            raise SystemExit(f"a worker failed ({proc.returncode}):\n{log.read_text()[-3000:]}")
+    return [json.loads(line) for line in logs[0].read_text().splitlines() if line.startswith("{")]
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     deadline = time.time() + args.minutes * 60
-    env = ["-e", "PYTHONPATH=/opt/torch:/opt/node", "-e", "OMP_NUM_THREADS=1", "-e", "GLOO_SOCKET_IFNAME=eth0",
-           "-e", "MASTER_ADDR=10.231.227.11", "-e", f"MASTER_PORT={PORT}", "-e", "WORLD_SIZE=4"]  # fmt: skip
     worker = ["python3", "/opt/bench/scaling_worker.py", "--code", "/opt/code", "--deadline", str(deadline),
               "--rounds", str(args.rounds), "--global-batch", str(args.global_batch), "--steps", str(args.steps),
               "--hidden", str(args.hidden), "--layers", str(args.layers), "--ratios", args.ratios,
               "--options4", args.options4, "--options2", args.options2]  # fmt: skip
-    logs = [Path(f"{args.out}.rank{rank}.log") for rank in range(len(NODES))]
-    procs = []
-    for rank, (name, log) in enumerate(zip(NODES, logs, strict=True)):
-        with open(log, "w") as handle:  # rank 0's rows as they come: tail -f it
-            command = ["docker", "exec", *env, "-e", f"RANK={rank}", "-e", "LOCAL_RANK=0", name, *worker]
-            procs.append(subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, text=True))
-    # A round started before the deadline finishes after it: allow one more round's time.
-    for proc, log in zip(procs, logs, strict=True):
-        if proc.wait(timeout=args.minutes * 60 * 2 + 300) != 0:
-            raise SystemExit(f"a worker failed ({proc.returncode}):\n{log.read_text()[-3000:]}")
-    return [json.loads(line) for line in logs[0].read_text().splitlines() if line.startswith("{")]
+    return launch(worker, args.out, args.minutes)
 
 
 def spread(values: list[float], digits: int = 2) -> str:
