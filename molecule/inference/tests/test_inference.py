@@ -24,7 +24,7 @@ NODES = (GATEWAY, OTHER)
 NETWORK = "budgetgpu-molecule-inference"
 EMBED_PORT, GENERATE_PORT = 8100, 8200  # first worker port of each service (molecule.yml)
 EMBED_GATEWAY, GENERATE_GATEWAY = 8080, 8081
-EMBED_WORKERS = {f"{node}-{slot}" for node in NODES for slot in (0, 1)}
+EMBED_WORKERS = {f"{node}-0" for node in NODES}  # one per node: GPU 1 is service span's (test_llamacpp_rpc.py)
 KEY, SLOW_KEY = "molecule-inference-ci-key-0123456789abcdef", "molecule-inference-slow-key-0123456789abcdef"
 OTHER_KEY = "molecule-inference-other-key-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -131,7 +131,7 @@ def main_pid(node: str, unit: str) -> str:
 def test_every_worker_comes_up(addresses: dict[str, str]) -> None:
     # The workers load their model after the converge: wait for each one's /health from the gateway.
     for node in NODES:
-        for port in (EMBED_PORT, EMBED_PORT + 1, GENERATE_PORT):
+        for port in (EMBED_PORT, GENERATE_PORT):
             url = f"http://{addresses[node]}:{port}/health"
             wait_for(url, lambda url=url: healthy(GATEWAY, url))
 
@@ -139,7 +139,7 @@ def test_every_worker_comes_up(addresses: dict[str, str]) -> None:
 def test_units_are_hardened_and_pinned_by_gpu_uuid() -> None:
     for node in NODES:
         uuids = gpu_uuids(node)
-        for unit, gpu in (("embed@0", 0), ("embed@1", 1), ("generate@0", 2)):
+        for unit, gpu in (("embed@0", 0), ("generate@0", 2)):
             props = dict(
                 line.split("=", 1)
                 for line in sh(
@@ -218,7 +218,7 @@ def test_firewall_lets_only_the_gateway_reach_the_workers(addresses: dict[str, s
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(addresses: dict[str, str], gateway: str) -> None:
-    unit = "budgetgpu-infer-embed@1.service"
+    unit = "budgetgpu-infer-embed@0.service"
     pid = main_pid(OTHER, unit)
     assert pid not in ("", "0")
     sh(OTHER, f"kill -KILL {pid}")
@@ -234,13 +234,13 @@ def test_a_killed_worker_is_restarted_and_serves_again(addresses: dict[str, str]
         f"{unit} running again with a new process",
         lambda: main_pid(OTHER, unit) not in ("", "0", pid),
     )
-    wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{addresses[OTHER]}:{EMBED_PORT + 1}/health"))
+    wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{addresses[OTHER]}:{EMBED_PORT}/health"))
     # NGINX takes a failed server back only after fail_timeout (5 s) has passed since its last
     # failure, which can be later than the worker's own health: ask until it is back in the upstream.
     wait_for(
-        f"the gateway sending requests to {OTHER}-1 again",
+        f"the gateway sending requests to {OTHER}-0 again",
         lambda: (
-            f"{OTHER}-1"
+            f"{OTHER}-0"
             in {
                 a["worker"]
                 for a in requests(
@@ -440,7 +440,7 @@ def test_a_hung_worker_costs_its_requests_a_timeout_not_an_error(gateway: str) -
     """A worker that hangs (stopped: its port still accepts, nothing answers) is not a dead one: the
     requests NGINX sent it wait out proxy_read_timeout (the service's timeout_s + 30 s), count as the
     worker's failures and are retried on the others. No request fails; the hung worker answers none."""
-    unit = "budgetgpu-infer-embed@1.service"
+    unit = "budgetgpu-infer-embed@0.service"
     sh(GATEWAY, f"systemctl kill -s STOP {unit}")
     try:
         result = loadtest(
@@ -450,10 +450,10 @@ def test_a_hung_worker_costs_its_requests_a_timeout_not_an_error(gateway: str) -
     finally:
         sh(GATEWAY, f"systemctl kill -s CONT {unit}")
     assert result["ok"] == 120 and result["errors"] == {}, lost(result)
-    assert f"{GATEWAY}-1" not in result["workers"] and len(result["workers"]) == 3, result["workers"]
+    assert f"{GATEWAY}-0" not in result["workers"] and len(result["workers"]) == 1, result["workers"]
     timed_out = sh(GATEWAY, "grep -c 'upstream timed out' /var/log/nginx/budgetgpu-embed.error.log", check=False)
     assert int(timed_out.strip() or 0) >= 1, timed_out
-    wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT + 1}/health"))
+    wait_for(f"{unit} healthy again", lambda: healthy(GATEWAY, f"http://{gateway}:{EMBED_PORT}/health"))
 
 
 # Runs on node2: SLOW connections that send half a request header and wait, BODIES that send a
@@ -520,8 +520,8 @@ def test_slow_connections_do_not_starve_a_normal_client(gateway: str) -> None:
     assert all(a["status"] == 200 for a in answers), [a for a in answers if a["status"] != 200][:2]
     assert max(a["seconds"] for a in answers) < 5, [round(a["seconds"], 2) for a in answers]
     got = json.loads(out.strip().splitlines()[-1])
-    # Half headers are dropped after client_header_timeout (10 s); bodies past their key's 36 requests at a time
-    # (conns_per_key: half of 4 workers x (2 + 16)) get 429 at once, the others 408 after client_body_timeout.
+    # Half headers are dropped after client_header_timeout (10 s); bodies past their key's 18 requests at a time
+    # (conns_per_key: half of 2 workers x (2 + 16)) get 429 at once, the others 408 after client_body_timeout.
     assert got["slow_closed"] >= 1500, got["slow_closed"]
     bodies = Counter(got["bodies"])
     assert bodies["429"] >= 160 and bodies["429"] + bodies["408"] + bodies["closed"] == 200, bodies

@@ -1,5 +1,5 @@
 """One llama.cpp worker over both nodes (issue 43 items 4 and 5), service span of molecule.yml: llama-server on
-inference-node1 (the head) with --rpc to ggml-rpc-server on inference-node2, both on GPU 3. Through the gateway
+inference-node1 (the head) with --rpc to ggml-rpc-server on inference-node2, both on GPU 1. Through the gateway
 with the official openai client; the RPC server killed during a run of requests: the head aborts (llama.cpp's
 behaviour), the units bring the group back (the RPC server's unit, then the head's, which waits for it) and the
 gateway answers 503 with Retry-After meanwhile, never 502; the RPC port admits the head alone.
@@ -69,7 +69,7 @@ def test_one_worker_spans_both_nodes_its_head_connected_to_the_rpc_server_on_the
     assert rpc[:6] == [RPC_SERVER, "--host", addresses[OTHER], "--port", str(SPAN_PORT), "--cache"], rpc
     assert sh(OTHER, f"stat -c %U /proc/{pid}").strip() == "budgetgpu-infer"
     env = sh(OTHER, f"systemctl show -p Environment --value {RPC}").split()
-    assert f"CUDA_VISIBLE_DEVICES={gpu_uuids(OTHER)[3]}" in env, env
+    assert f"CUDA_VISIBLE_DEVICES={gpu_uuids(OTHER)[1]}" in env, env
     # The head holds its connection to node2's server (the layers are there).
     peers = sh(OTHER, f"python3 -c '{PEERS}' {SPAN_PORT}").split()
     assert addresses[GATEWAY] in peers, peers
