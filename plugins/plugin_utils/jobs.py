@@ -532,8 +532,9 @@ def torchrun_image_problems(
         seen_by = {host: fact(hostvars, host, "budgetgpu_job_images") for host in job_hosts(job, groups)}
         found = {host: images.get(image["digest"]) or {} for host, images in seen_by.items() if images is not None}
         what = f"job {job.get('name')}: image {image['tarball'] or image['ref']}"
+        why = f"docker load gave no image of id {image['digest']}" if image["tarball"] else "the pull did not give it"
         for host in sorted(host for host, seen in found.items() if not seen.get("id")):
-            problems.append(f"{host}: {what} is missing on the node (the pull or load did not give it)")
+            problems.append(f"{host}: {what} is missing on the node ({why})")
         ids = {seen["id"]: host for host, seen in found.items() if seen.get("id")}
         if len(ids) > 1:
             listed = ", ".join(

@@ -120,7 +120,12 @@ def test_the_same_image_on_every_node_within_the_drivers_cuda_passes():
 
 def test_an_image_missing_on_a_node_is_refused_naming_node_and_image():
     problems = torchrun_image_problems(torchrun_jobs_normalize([JOB]), GROUPS, {"node0": facts(), "node1": facts(None)})
-    assert problems == [f"node1: job main: image {PINNED} is missing on the node (the pull or load did not give it)"]
+    assert problems == [f"node1: job main: image {PINNED} is missing on the node (the pull did not give it)"]
+    tarball = {**JOB, "image": {"tarball": "/srv/t.tar", "digest": f"sha256:{HEX}"}}
+    hostvars = {"node0": facts(), "node1": facts(None)}
+    (problem,) = torchrun_image_problems(torchrun_jobs_normalize([tarball]), GROUPS, hostvars)
+    why = f"docker load gave no image of id sha256:{HEX}"
+    assert problem == f"node1: job main: image /srv/t.tar is missing on the node ({why})"
 
 
 def test_a_node_this_run_did_not_look_at_is_not_judged():
