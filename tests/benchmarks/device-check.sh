@@ -15,6 +15,10 @@
 #            job with bf16, its sharded checkpoint and its resume
 #   quant    roles/probe/files/gpu-smoke --quant: the inference worker loads a tiny model in 4 and 8 bits
 #   trainer  roles/probe/files/gpu-smoke --trainer: the example trainer with NCCL, once per gradient compression
+#   rpc      (only when named: its build takes minutes) tests/benchmarks/llamacpp_rpc.py --local: llama-server alone
+#            against llama-server --rpc to a ggml-rpc-server on the same GPU, tokens/s of 1 and 8 streams; first builds
+#            both with CUDA from the pinned llama.cpp source carried in .cache/llama-src (no GPU:
+#            scripts/build-llama-server's cached CPU build, to run the logic)
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/device-check}
@@ -51,6 +55,35 @@ machine() {
   echo
 }
 
+# Both binaries with CUDA for this GPU alone, from scripts/build-llama-server's source (the pinned sdist's llama.cpp,
+# carried as .cache/llama-src/llama.cpp-<its sha256's first 12>.tar.xz without models and docs: the machine has no
+# network) with that script's own flags; without FlashAttention kernels (most of ggml-cuda's compile time: the build
+# is the part's risk) and NCCL (one GPU).
+rpc() {
+  local bin build=/tmp/llama-cuda start flags sdist_sha256 source
+  if nvidia-smi -L >/dev/null 2>&1; then
+    command -v nvcc >/dev/null || { echo "no nvcc: no CUDA build of llama.cpp here"; return 1; }
+    command -v cmake >/dev/null || { echo "no cmake: no CUDA build of llama.cpp here"; return 1; }
+    eval "$(sed -n -e '/^sdist_sha256=/p' -e '/^flags=(/,/)$/p' scripts/build-llama-server)"
+    source=.cache/llama-src/llama.cpp-${sdist_sha256:0:12}.tar.xz
+    [ -f "$source" ] || { echo "no $source (docs/benchmarks/device-check.md says how to make it)"; return 1; }
+    rm -rf "$build" && mkdir -p "$build" && tar -C "$build" -xJf "$source" || return 1
+    start=$(date +%s)
+    if ! { cmake -S "$build/llama.cpp" -B "$build/out" "${flags[@]}" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
+             -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF \
+           && cmake --build "$build/out" --target llama-server ggml-rpc-server -j "$(nproc)"; } >"$out/llama-build.log" 2>&1; then
+      tail -n 30 "$out/llama-build.log"
+      return 1
+    fi
+    echo "built llama-server and ggml-rpc-server with CUDA in $(($(date +%s) - start)) s ($(nvcc --version | grep -o 'release [0-9.]*'))"
+    bin=$build/out/bin
+  else
+    echo "no GPU: scripts/build-llama-server's CPU build, to run the part's logic"
+    bin=$(dirname "$(scripts/build-llama-server | tail -n 1)") || return 1
+  fi
+  python3 tests/benchmarks/llamacpp_rpc.py --local --bin "$bin" --json "$out/llamacpp-rpc.json"
+}
+
 {
   part machine 20 bash -c "$(declare -f machine); machine"
   part smoke 60 python3 roles/probe/files/gpu-smoke
@@ -60,4 +93,5 @@ machine() {
   part fsdp-job 150 python3 roles/probe/files/gpu-smoke --fsdp --python python3
   part quant 100 python3 roles/probe/files/gpu-smoke --quant --python python3
   part trainer 200 python3 roles/probe/files/gpu-smoke --trainer --python python3
+  part rpc 360 bash -c "out=$out; $(declare -f rpc); rpc"
 } 2>&1 | tee "$out/device-check.txt"
