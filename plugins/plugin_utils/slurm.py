@@ -85,21 +85,27 @@ def held_gpus(
     host: str,
     services: list[Mapping[str, Any]] | None,
     jobs: list[Mapping[str, Any]] | None,
-) -> dict[int, str]:
-    """Return {GPU index: who holds it} on host: the inference workers and a spanning llama.cpp worker's RPC
-    servers (the service model's placement, services normalised by inference_services_normalize) and the started
-    systemd training jobs."""
-    held = {index: f"training job {job}" for index, job in training_gpus(jobs, hostvars, host).items()}
+) -> dict[int, dict[str, Any]]:
+    """Return {GPU index: {why: who holds it, user: the user its unit runs as}} on host: the inference workers and
+    a spanning llama.cpp worker's RPC servers (the service model's placement, services normalised by
+    inference_services_normalize) and the started systemd training jobs (normalised: each has its user)."""
+    job_users = {str(job.get("name")): job.get("user") for job in jobs or []}
+    held = {
+        index: {"why": f"training job {job}", "user": job_users.get(job)}
+        for index, job in training_gpus(jobs, hostvars, host).items()
+    }
     for service in services or []:
         if service.get("state") == "absent":
             continue
+        user = service.get("user")
         # An RPC node's GPUs from its own facts: its head's plan would fail while the head is down.
         rpc = rpc_node_gpus(service, hostvars, host, jobs, list(hostvars))
         for gpu in rpc:
-            held.setdefault(int(gpu["index"]), f"llama.cpp RPC server of service {service.get('name')}")
+            why = f"llama.cpp RPC server of service {service.get('name')}"
+            held.setdefault(int(gpu["index"]), {"why": why, "user": user})
         for worker in [] if rpc else inference_workers(service, hostvars, host, jobs):
             for index in worker["gpu_indices"]:
-                held.setdefault(int(index), f"inference worker {worker['unit']}")
+                held.setdefault(int(index), {"why": f"inference worker {worker['unit']}", "user": user})
     return held
 
 
@@ -115,17 +121,18 @@ def _core_range(numa_node: Any, layout: Mapping[str, int]) -> str | None:
 
 
 def _node_gpus(
-    facts: Mapping[str, Any], layout: Mapping[str, int], held: Mapping[int, str]
+    facts: Mapping[str, Any], layout: Mapping[str, int], held: Mapping[int, Mapping[str, Any]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """Return (the GPUs Slurm may hand out, those left out with who holds them, problems) from gpu_facts
-    joined by bus id with pcie_facts."""
+    """Return (the GPUs Slurm may hand out, those left out with who holds them, their device file and the user
+    its unit runs as, problems) from gpu_facts joined by bus id with pcie_facts."""
     gpu_fact, pcie_fact = facts["budgetgpu_gpus"], facts["budgetgpu_pcie"]
     pcie = {str(g.get("bus_id", "")).lower(): g for g in pcie_fact.get("gpus") or [] if isinstance(g, Mapping)}
     gpus, left_out, problems = [], [], []
     for gpu in sorted(gpu_fact.get("gpus") or [], key=lambda g: g.get("index", 0)):
         index, bus_id = gpu.get("index"), str(gpu.get("bus_id", "")).lower()
         if index in held:
-            left_out.append({"index": index, "bus_id": bus_id, "why": held[index]})
+            file = NVIDIA_DEVICE.format(minor=gpu_minor(gpu))
+            left_out.append({"index": index, "bus_id": bus_id, "file": file, **held[index]})
             continue
         link = pcie.get(bus_id)
         if link is None:
@@ -159,7 +166,7 @@ def slurm_node(
 ) -> dict[str, Any]:
     """Return what Slurm is told about host: {host, name (its hostname, which slurmd answers to), address
     (the cluster address), layout (cpu_layout), real_memory, gpus [{index, uuid, bus_id, type, file,
-    cores}], left_out [{index, bus_id, why}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
+    cores}], left_out [{index, bus_id, file, why, user}], gres ("gpu:rtx3090:4,..." or "")}. GPUs come from
     gpu_facts joined by bus id with pcie_facts (device id, NUMA node). ValueError naming host and what
     is missing."""
     setup = node_facts(hostvars, host)

@@ -150,6 +150,44 @@ def test_a_job_cannot_get_the_gpu_an_inference_worker_holds() -> None:
     assert "Requested node configuration is not available" in result.stderr
 
 
+OPEN_ONE = """
+import errno, os, sys
+try:
+    os.close(os.open(sys.argv[1], os.O_RDONLY))
+except OSError as err:
+    print(errno.errorcode[err.errno])
+"""
+
+
+def open_as(name: str, user: str, path: str) -> str:
+    """Open a device node on a node as a user, outside Slurm: "opened", or the error's name (ENXIO: allowed)."""
+    command = f"runuser -u {user} -- python3 -c {shlex.quote(OPEN_ONE)} {path}"
+    return host(name).check_output(command).strip() or "opened"
+
+
+def test_a_job_cannot_open_the_gpu_an_inference_worker_holds_and_the_workers_user_can() -> None:
+    """Issue 40 item 3: the held GPU is not in gres.conf, so the job's device cgroup does not deny it; its device file
+    (still root budgetgpu-gpu 660 to stat, which the driver compares) has a POSIX ACL that gives it to the worker's
+    user alone of the GPU group. ana's job opens the GPU Slurm gave it (ENXIO: no driver behind the node), not the
+    held one (EACCES), and node2's other GPUs are denied by the device cgroup (EPERM). At boot /dev is new (here:
+    the node made again by gpu_sim's unit, as the driver would, without the ACL) and slurmd's start sets it again."""
+    found = open_gpus("-w slurm-node2 --gres=gpu:rtx3090:1")
+    granted = f"/dev/nvidia{found['granted']}"
+    assert found["open"].pop("/dev/nvidia2") == "EACCES", found
+    assert found["open"].pop(granted) == "ENXIO" and set(found["open"].values()) == {"EPERM"}, found
+    node = host("slurm-node2")
+    acl = "user::rw-\nuser:budgetgpu-infer:rw-\ngroup::---\nmask::rw-\nother::---"
+    assert node.check_output("getfacl --omit-header /dev/nvidia2") == acl
+    assert open_as("slurm-node2", "budgetgpu-infer", "/dev/nvidia2") == "ENXIO"
+    assert open_as("slurm-node2", "ana", "/dev/nvidia1") == "ENXIO"
+    node.check_output("rm /dev/nvidia2 && systemctl restart budgetgpu-sim-nvidia-devices.service")
+    assert open_as("slurm-node2", "ana", "/dev/nvidia2") == "ENXIO"
+    node.check_output("systemctl restart slurmd.service")
+    assert open_as("slurm-node2", "ana", "/dev/nvidia2") == "EACCES"
+    assert node.check_output("getfacl --omit-header /dev/nvidia2") == acl
+    assert open_as("slurm-node2", "budgetgpu-infer", "/dev/nvidia2") == "ENXIO"
+
+
 def test_a_job_spans_both_nodes() -> None:
     result = srun("--nodes=2 --gres=gpu:rtx3090:2", "echo $(hostname) $CUDA_VISIBLE_DEVICES")
     assert result.rc == 0, result.stderr

@@ -5,9 +5,14 @@ what cgroup.conf may constrain."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import slurm
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import inference_services_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
+    INFERENCE_USER,
+    inference_services_normalize,
+)
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm import (
     cgroup_settings,
     cpu_layout,
@@ -121,12 +126,36 @@ def test_gpus_that_inference_workers_and_training_jobs_hold_are_left_out():
     node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1", services)
     assert node["gres"] == "gpu:rtx3090:1,gpu:rtx4090:1"
     assert node["left_out"] == [
-        {"index": 2, "bus_id": "0000:61:00.0", "why": "inference worker budgetgpu-infer-embed@0.service"}
+        {
+            "index": 2,
+            "bus_id": "0000:61:00.0",
+            "file": "/dev/nvidia2",
+            "why": "inference worker budgetgpu-infer-embed@0.service",
+            "user": INFERENCE_USER,
+        }
     ]
-    jobs = [{"name": "main", "nodes": "gpu_nodes", "nproc_per_node": 1, "state": "started"}]
+    jobs = [{"name": "main", "nodes": "gpu_nodes", "nproc_per_node": 1, "state": "started", "user": "alice"}]
     node = slurm_node(hostvars({**TWO_SOCKETS, **MIXED}), "node1", [], jobs)
     assert [g["index"] for g in node["left_out"]] == [0]
     assert node["left_out"][0]["why"] == "training job main"
+
+
+def test_each_held_gpus_device_file_is_given_to_the_user_its_holders_unit_runs_as():
+    """Issue 40 item 3: the device file by the driver's minor, and the user of the unit that holds it (the job's,
+    the service's), which alone of the GPU group may open it (the role's ACL); the other GPUs are not held."""
+    facts = copy.deepcopy({**TWO_SOCKETS, **MIXED})
+    facts["budgetgpu_gpus"]["gpus"][2]["minor_number"] = 5
+    services = inference_services_normalize(
+        [{"name": "embed", "model": "/m", "task": "embeddings", "nodes": ["node1"], "gpus": [2], "port": 8100,
+          "user": "llm"}]
+    )  # fmt: skip
+    jobs = [{"name": "main", "nodes": "gpu_nodes", "nproc_per_node": 1, "state": "started", "user": "alice"}]
+    node = slurm_node(hostvars(facts), "node1", services, jobs)
+    assert [(g["index"], g["file"], g["user"]) for g in node["left_out"]] == [
+        (0, "/dev/nvidia0", "alice"),
+        (2, "/dev/nvidia5", "llm"),
+    ]
+    assert [g["file"] for g in node["gpus"]] == ["/dev/nvidia1"]
 
 
 def test_the_gpus_of_a_spanning_llamacpp_workers_rpc_node_are_left_out_even_while_its_head_is_down():
@@ -138,7 +167,8 @@ def test_the_gpus_of_a_spanning_llamacpp_workers_rpc_node_are_left_out_even_whil
     rpc_node = {"node0": found.pop("node0"), **found}  # node0 first: the head of the worker group
     node = slurm_node(rpc_node, "node1", services)
     why = "llama.cpp RPC server of service chat"
-    assert node["left_out"] == [{"index": i, "bus_id": MIXED["budgetgpu_pcie"]["gpus"][i]["bus_id"], "why": why}
+    assert node["left_out"] == [{"index": i, "bus_id": MIXED["budgetgpu_pcie"]["gpus"][i]["bus_id"],
+                                 "file": f"/dev/nvidia{i}", "why": why, "user": INFERENCE_USER}
                                 for i in range(3)]  # fmt: skip
     assert node["gres"] == ""
     # The head without facts (down, or left out of the run): its RPC node's GPUs stay held all the same.
