@@ -246,8 +246,8 @@ class Bench:
                 order = list(services) if round_ % 2 == 0 else list(services)[::-1]
                 for service in order:
                     for streams in STREAMS:
-                        row = {"round": round_, "service": service, **measure(self.base(ports[service]), streams,
-                                                                             self.args.tokens)}  # fmt: skip
+                        found = measure(self.base(ports[service]), streams, self.args.tokens)
+                        row = {"round": round_, "service": service, **found}
                         print(json.dumps(row), file=sys.stderr)
                         rows.append(row)
         finally:
