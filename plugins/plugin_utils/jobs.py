@@ -436,7 +436,7 @@ def image_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
     if value is None:
         return
     if isinstance(value, str):
-        name, _, digest = value.partition("@")
+        name, digest = value.partition("@")[::2]
         if not digest:
             hint = "a tag moves: docker image inspect --format '{{index .RepoDigests 0}}' NAME:TAG names its digest"
             yield "image", value, "NAME@sha256:<64 hex digits>, the image pinned by digest", hint
