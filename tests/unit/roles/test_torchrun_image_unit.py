@@ -82,6 +82,16 @@ def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
     assert not [line for line in venv if line.startswith(added)]
 
 
+@pytest.mark.parametrize("settings", [{"torchrun_sandbox": False}, {"torchrun_hardening": {"ProtectSystem": "no"}}])
+def test_the_image_stays_read_only_without_the_sandbox(tmp_path, launcher, settings):
+    # Root's tasks work in the image's tree: no job may write it, whatever torchrun_sandbox and torchrun_hardening say.
+    job = {"image": IMAGE, "exec_start": systemd_exec([launcher])}
+    unit = render_job_unit(tmp_path, {"test_job": job, "torchrun_launcher": launcher, **settings}).read_text()
+    assert (service_values(unit, "ProtectSystem"), service_values(unit, "PrivateTmp")) == (["strict"], ["yes"])
+    venv = render_job_unit(tmp_path, settings).read_text()
+    assert service_values(venv, "ProtectSystem") == ([] if "torchrun_sandbox" in settings else ["no"])
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_systemd_analyze_verifies_the_image_unit(image_unit):
     # As configure.yml verifies it on a node: systemd-analyze looks for the ExecStart (the launcher) on the host.
