@@ -6,6 +6,7 @@ Each check is shown refusing a bad inventory and passing the mended one."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import
     checks,
     engines,
     gateway,
+    gguf_header,
     memory,
     placement,
 )
@@ -746,7 +748,9 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_memory_split",
         "inference_worker_command",
         "inference_rpc_server_command",
+        "inference_rpc_wait_command",
         "inference_binary_problems",
+        "inference_gguf_header",
         "inference_gateway_allow",
         "inference_firewall_ports",
         "inference_gateway_keys",
@@ -1242,9 +1246,10 @@ def rig(nodes: int, gpus: int) -> dict:
     return {f"node{i + 1}": node(f"10.0.0.{11 + i}", gpus) for i in range(nodes)}
 
 
-def guide_check(hv: dict, **keys) -> tuple[list[str], list[str]]:
-    """(preflight's problems, what each GPU holds) of the guide's 70B on hv."""
-    items, configs = services(guide_70b(**keys)), {"chat": GGUF_70B}
+def guide_check(hv: dict, gguf: dict | None = None, **keys) -> tuple[list[str], list[str]]:
+    """(preflight's problems, what each GPU holds) of the guide's 70B on hv; gguf: what preflight found of
+    the GGUF file (its stat, and what its header says), else the file's size alone."""
+    items, configs = services(guide_70b(**keys)), {"chat": gguf or GGUF_70B}
     problems = checks.inference_check(
         items, hv, list(hv), [], configs, api_keys={"ci": KEY}, cluster_subnet="10.0.0.0/24"
     )
@@ -1320,6 +1325,113 @@ def test_the_guides_70b_for_8_slots_is_refused_on_2_nodes_with_one_3090_each():
     assert guide_check(rig(2, 1), nodes_per_worker=2, concurrency=4)[0] == []
 
 
+# --- the model's shape from its GGUF header (the gguf package, llama.cpp's own reader) ---------------
+
+
+def gguf_70b_header(path: Path, **metadata) -> dict:
+    """Write a GGUF header without tensors with the guide's 70B metadata as llama.cpp's converter writes
+    Llama 3 70B's (80 blocks, 64 heads of 8192 / 64 = 128, 8 KV heads; a key set to None is left out), and
+    read it back as preflight does (filter inference_gguf_header)."""
+    gguf = pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    numbers = {"block_count": 80, "embedding_length": 8192, "head_count": 64, "head_count_kv": 8, **metadata}
+    for name, value in numbers.items():
+        if value is not None:
+            getattr(writer, f"add_{name}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_header.gguf_header(str(path))
+
+
+def test_the_model_shape_is_read_from_the_gguf_header(tmp_path):
+    assert gguf_70b_header(tmp_path / "70b.gguf") == {
+        "architecture": "llama",
+        **SHAPE_70B,
+        "keys": {
+            "layers": "llama.block_count",
+            "kv_heads": "llama.attention.head_count_kv",
+            "head_dim": "llama.embedding_length / llama.attention.head_count",
+        },
+    }
+    # key_length where the header gives it; without head_count_kv, as many KV heads as heads.
+    header = gguf_70b_header(tmp_path / "other.gguf", head_count_kv=None, key_length=96)
+    assert (header["kv_heads"], header["head_dim"]) == (64, 96)
+    assert header["keys"]["kv_heads"] == "llama.attention.head_count"
+    assert header["keys"]["head_dim"] == "llama.attention.key_length"
+    # A header without them gives none, which model_shape may give.
+    assert "kv_heads" not in gguf_70b_header(tmp_path / "bare.gguf", head_count_kv=None, head_count=None)
+
+
+@pytest.mark.parametrize(
+    ("hv", "keys"),
+    [
+        (rig(4, 1), {"nodes_per_worker": 4}),
+        (rig(2, 2), {"nodes_per_worker": 2, "gpus_per_worker": 2}),
+        (rig(2, 1), {"nodes_per_worker": 2}),
+    ],
+)
+def test_the_guides_70b_placement_holds_with_the_shape_read_from_its_gguf_header(tmp_path, hv, keys):
+    # The figures of docs/inference.md (the tests above, with model_shape) from the header alone, and a
+    # model_shape equal to the header's changes nothing.
+    found = {**GGUF_70B, **gguf_70b_header(tmp_path / "70b.gguf")}
+    shaped = guide_check(hv, **keys)
+    assert guide_check(hv, found, model_shape=None, **keys) == shaped
+    assert guide_check(hv, found, **keys) == shaped
+
+
+def test_a_model_shape_that_differs_from_the_gguf_header_is_refused(tmp_path):
+    path = "/srv/models/llama-3-70b-instruct-q4_k_m.gguf"
+    found = {**GGUF_70B, **gguf_70b_header(tmp_path / "70b.gguf")}
+    problems, _split = guide_check(rig(4, 1), found, nodes_per_worker=4, model_shape={**SHAPE_70B, "kv_heads": 64})
+    assert problems[0] == (
+        f"control node: service chat: model_shape.kv_heads: found 64, expected 8, what the GGUF header of {path} "
+        "says (llama.attention.head_count_kv): leave model_shape out, or make it the header's"
+    )
+    # What the header lacks, model_shape gives; a worker over nodes without either is refused.
+    bare = {**GGUF_70B, **gguf_70b_header(tmp_path / "bare.gguf", head_count_kv=None, head_count=None)}
+    assert guide_check(rig(4, 1), bare, nodes_per_worker=4) == guide_check(rig(4, 1), nodes_per_worker=4)
+    problems, _split = guide_check(rig(4, 1), bare, nodes_per_worker=4, model_shape=None)
+    assert problems == [
+        "control node: service chat: model_shape: found none with nodes_per_worker 4, and no kv_heads, head_dim in "
+        f"the GGUF header of {path}, expected {{layers, kv_heads, head_dim}} of the GGUF's model: llama.cpp splits a "
+        "worker over its nodes by layer, with each layer's KV cache"
+    ]
+
+
+def test_a_gguf_file_that_cannot_be_read_or_no_gguf_package_is_refused_without_a_traceback(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+    assert gguf_header.gguf_header(str(bad)) == {
+        "error": "found a file whose GGUF header cannot be read (Sorry, file appears to be version 0 which we cannot "
+        "handle), expected a GGUF model file"
+    }
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    missing = gguf_header.gguf_header(str(bad))
+    problems, _split = guide_check(rig(1, 2), {**GGUF_70B, **missing}, gpus_per_worker=2)
+    assert problems == [
+        "control node: service chat: model: /srv/models/llama-3-70b-instruct-q4_k_m.gguf: found no Python package "
+        f"gguf in the control node's Python {sys.executable}, expected it to read the GGUF header (llama.cpp's "
+        f"reader): run {sys.executable} -m pip install -r requirements.txt (the collection's, which pins gguf)"
+    ]
+
+
+def test_a_worker_over_nodes_needs_ggml_rpc_server_on_the_control_node():
+    spanning, single = services(guide_70b(nodes_per_worker=2)), services(guide_70b())
+    tool = {"path": "/opt/llama/ggml-rpc-server", "exists": True, "isreg": True, "executable": True}
+    server = {**tool, "path": "/opt/llama/llama-server"}
+    assert checks.llama_server_problems(spanning, server, tool) == []
+    assert checks.llama_server_problems(single, server, {"path": ""}) == []  # one node: no RPC server
+    assert checks.llama_server_problems(spanning, server, {"path": tool["path"], "exists": False}) == [
+        "control node: inference_llamacpp_rpc_server: found /opt/llama/ggml-rpc-server, which is not an executable "
+        "file there, expected the absolute path of llama.cpp's RPC server ggml-rpc-server on the control node for "
+        "service chat whose workers span nodes (nodes_per_worker) (scripts/build-llama-server builds it and prints "
+        "its path)"
+    ]
+
+
 def test_the_single_node_llamacpp_check_counts_the_kv_cache():
     # A 20 GiB GGUF fits a 3090 by its weights; with 8 slots of 4096 tokens of the 70B's KV cache it does not.
     configs = {"chat": {**GGUF_70B, "size": 20 * 2**30}}
@@ -1351,8 +1463,8 @@ def test_the_single_node_llamacpp_check_counts_the_kv_cache():
     unshaped = services(llama(concurrency=8, max_input_tokens=3584, max_new_tokens=512))
     assert checks.inference_memory_split(unshaped, hv, ["node1"], [], configs) == [
         f"node1 GPU 0 ({RTX}, 24576 MiB): service chat: 20.5 GiB (device 0 of 1 of worker node1@0 (tensor split 1): "
-        "GGUF 20.0 GiB x 1/1 = 20.0 GiB + 500 MiB CUDA context; KV cache not counted: the service gives no "
-        "model_shape) of 24.0 GiB"
+        "GGUF 20.0 GiB x 1/1 = 20.0 GiB + 500 MiB CUDA context; KV cache not counted: neither the GGUF header nor "
+        "model_shape gives the model's shape) of 24.0 GiB"
     ]
 
 
@@ -1573,7 +1685,6 @@ def test_a_llama_cpp_binary_of_another_build_is_named_with_node_path_and_both_di
     [
         (chat(nodes_per_worker=2), "nodes_per_worker: found 2 with engine builtin, expected 1: only engine llamacpp"),
         (llama(nodes_per_worker=0), "nodes_per_worker: found 0, expected a whole number of 1 or more"),
-        (llama(nodes_per_worker=2), "model_shape: found none with nodes_per_worker 2, expected {layers, kv_heads, "),
         (guide_70b(model_shape={"layers": 80, "kv_heads": 8}), "model_shape: found {'layers': 80, 'kv_heads': 8}, "),
         (guide_70b(model_shape={**SHAPE_70B, "head_dim": 0}), "expected {layers, kv_heads, head_dim} of the GGUF"),
         (chat(model_shape=SHAPE_70B), "model_shape: found {'layers': 80, 'kv_heads': 8, 'head_dim': 128} with engine"),

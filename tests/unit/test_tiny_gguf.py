@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gguf_header import gguf_header
 
 gguf = pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
 pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
@@ -49,3 +50,16 @@ def test_the_tiny_gpt2_as_one_gguf_file(tmp_path):
     blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
     assert blocks == {str(i) for i in range(config["n_layer"])}
     assert len(tensors) == 4 + 12 * config["n_layer"] + (1 if "output.weight" in tensors else 0)
+    # Preflight reads the model's shape from this header (filter inference_gguf_header): GPT-2 has no
+    # head_count_kv (as many KV heads as heads) and no key_length (n_embd / n_head).
+    assert gguf_header(str(out)) == {
+        "architecture": "gpt2",
+        "layers": config["n_layer"],
+        "kv_heads": config["n_head"],
+        "head_dim": config["n_embd"] // config["n_head"],
+        "keys": {
+            "layers": "gpt2.block_count",
+            "kv_heads": "gpt2.attention.head_count",
+            "head_dim": "gpt2.embedding_length / gpt2.attention.head_count",
+        },
+    }

@@ -29,6 +29,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placem
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.services import (
     GPUS_PER_WORKER,
+    MODEL_SHAPE_KEYS,
     QUANT_BYTES,
     QUANT_MIN_CAPABILITY,
     VLLM_MIN_CAPABILITY,
@@ -116,7 +117,7 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
         return None, []
     config = model_configs[name]
     if service.get("engine") == "llamacpp":
-        return _gguf_bytes(service, config)
+        return _gguf_need(service, config)
     where = f"control node: service {name}: model"
     if config in (None, ""):
         return None, [
@@ -134,16 +135,39 @@ def _memory_need(service: Mapping[str, Any], model_configs: Mapping[str, Any]) -
         return None, [f"{where}: {service.get('model')}/{error}"]
 
 
-def _gguf_bytes(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
-    """engine llamacpp: (the GGUF file's size, the model's problems) from what the control node found of
-    it: preflight's stat of it ({exists, isreg, size})."""
+def _gguf_need(service: Mapping[str, Any], found: Any) -> tuple[Any, list[str]]:
+    """engine llamacpp: ({bytes, shape} of the GGUF model or None, the model's problems) from what the control
+    node found of it: preflight's stat of it ({exists, isreg, size}) with what its header says (gguf_header's
+    keys; absent: not read). The shape, {layers, kv_heads, head_dim}, is the header's; the service's
+    model_shape gives what the header lacks, and one that differs from the header is refused. A worker over
+    several nodes is split by layer, so it is refused without a shape."""
+    name, path = service.get("name"), service.get("model")
     size = found.get("size") if isinstance(found, Mapping) and found.get("isreg") else None
     if not _is_int(size) or size <= 0:
         return None, [
-            f"control node: service {service.get('name')}: model: found no GGUF file {service.get('model')} on the "
-            "control node, expected a GGUF model file (scripts in llama.cpp convert Hugging Face models to GGUF)"
+            f"control node: service {name}: model: found no GGUF file {path} on the control node, "
+            "expected a GGUF model file (scripts in llama.cpp convert Hugging Face models to GGUF)"
         ]
-    return size, []
+    if found.get("error"):
+        return None, [f"control node: service {name}: model: {path}: {found['error']}"]
+    given = service.get("model_shape") if isinstance(service.get("model_shape"), Mapping) else {}
+    problems = [
+        f"control node: service {name}: model_shape.{key}: found {given[key]}, expected {found[key]}, what the "
+        f"GGUF header of {path} says ({found['keys'][key]}): leave model_shape out, or make it the header's"
+        for key in MODEL_SHAPE_KEYS
+        if key in given and key in found and given[key] != found[key]
+    ]
+    shape = {key: given.get(key, found.get(key)) for key in MODEL_SHAPE_KEYS}
+    shape = shape if all(_is_int(value) and value > 0 for value in shape.values()) else None
+    per_node = service.get("nodes_per_worker")
+    if shape is None and _is_int(per_node) and per_node > 1:
+        lacks = ", ".join(key for key in MODEL_SHAPE_KEYS if key not in found)
+        problems.append(
+            f"control node: service {name}: model_shape: found none with nodes_per_worker {per_node}, and no {lacks} "
+            f"in the GGUF header of {path}, expected {{layers, kv_heads, head_dim}} of the GGUF's model: llama.cpp "
+            "splits a worker over its nodes by layer, with each layer's KV cache"
+        )
+    return {"bytes": size, "shape": shape}, problems
 
 
 def _gpu_needs(
@@ -154,8 +178,8 @@ def _gpu_needs(
     need: Any,
 ) -> dict[tuple[str, Any], Any]:
     """Return {(node, GPU index): what that GPU holds of the service}: the same need on every GPU, or for
-    engine llamacpp (need: the GGUF's size) each GPU's layers and KV cache (llamacpp_gpu_needs) in every
-    worker, over one node or nodes_per_worker nodes."""
+    engine llamacpp (need: the GGUF's size and shape, _gguf_need) each GPU's layers and KV cache
+    (llamacpp_gpu_needs) in every worker, over one node or nodes_per_worker nodes."""
     if need is None:
         return {}
     if service.get("engine") != "llamacpp":
@@ -168,7 +192,7 @@ def _gpu_needs(
         (host, gpu.get("index")): gpu_need
         for group in worker_node_groups(service, hostvars, hosts)
         for slot, layout in enumerate(worker_layouts(service, hostvars, group, jobs))
-        for host, gpu, gpu_need in llamacpp_gpu_needs(service, need, layout, slot)
+        for host, gpu, gpu_need in llamacpp_gpu_needs(service, need["bytes"], layout, slot, need["shape"])
     }
 
 
@@ -371,25 +395,46 @@ def _node_python(hostvars: Mapping[str, Any], host: str) -> str:
     return ""
 
 
-def llama_server_problems(services: list[Mapping[str, Any]], llama_server: Mapping[str, Any] | None) -> list[str]:
-    """engine llamacpp: the role copies llama-server from the control node (inference_llamacpp_server).
-    llama_server: {path} and preflight's stat of it there ({exists, isreg, executable}); None: not looked at."""
-    names = [s.get("name") for s in services or [] if s.get("engine") == "llamacpp" and s.get("state") != "absent"]
-    if not names or llama_server is None:
+def llama_server_problems(
+    services: list[Mapping[str, Any]],
+    llama_server: Mapping[str, Any] | None,
+    rpc_server: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """engine llamacpp: the role copies llama-server from the control node (inference_llamacpp_server), and
+    where a worker spans nodes ggml-rpc-server too (inference_llamacpp_rpc_server). llama_server,
+    rpc_server: {path} and preflight's stat of it there ({exists, isreg, executable}); None: not looked at."""
+    active = [s for s in services or [] if s.get("engine") == "llamacpp" and s.get("state") != "absent"]
+    spanning = [s for s in active if _is_int(s.get("nodes_per_worker")) and s["nodes_per_worker"] > 1]
+    return _binary_problems(
+        ("inference_llamacpp_server", "llama-server", "of engine llamacpp"), llama_server, active
+    ) + _binary_problems(
+        ("inference_llamacpp_rpc_server", "RPC server ggml-rpc-server", "whose workers span nodes (nodes_per_worker)"),
+        rpc_server,
+        spanning,
+    )
+
+
+def _binary_problems(
+    what_for: tuple[str, str, str], found: Mapping[str, Any] | None, services: list[Mapping[str, Any]]
+) -> list[str]:
+    """A llama.cpp binary the services need from the control node, an absolute path to an executable file.
+    what_for: (the variable naming it, the binary, which services need it)."""
+    if not services or found is None:
         return []
-    path = str(llama_server.get("path") or "")
+    path = str(found.get("path") or "")
     if not path:
-        found = "none"
+        what = "none"
     elif not path.startswith("/"):
-        found = f"{path!r}, a relative path"
-    elif not (llama_server.get("isreg") and llama_server.get("executable")):
-        found = f"{path}, which is not an executable file there"
+        what = f"{path!r}, a relative path"
+    elif not (found.get("isreg") and found.get("executable")):
+        what = f"{path}, which is not an executable file there"
     else:
         return []
+    variable, binary, needs = what_for
+    names = ", ".join(str(s.get("name")) for s in services)
     return [
-        f"control node: inference_llamacpp_server: found {found}, expected the absolute path of llama.cpp's "
-        f"llama-server on the control node for service {', '.join(names)} of engine llamacpp "
-        "(scripts/build-llama-server builds it and prints its path)"
+        f"control node: {variable}: found {what}, expected the absolute path of llama.cpp's {binary} on the control "
+        f"node for service {names} {needs} (scripts/build-llama-server builds it and prints its path)"
     ]
 
 
@@ -432,6 +477,7 @@ def inference_check(
     llama_server: Mapping[str, Any] | None = None,
     vllm_wheelhouses: Mapping[str, str] | None = None,
     wheels: list[str] | None = None,
+    rpc_server: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Return the placement problems of the normalised services (inference_services_normalize), each
     naming host, GPU, field, what was found and what was expected: memory that does not fit, a GPU
@@ -445,7 +491,8 @@ def inference_check(
     run goes on when a node is down; role preflight passes budgetgpu_safe_mode).
     api_keys, gateway_allow, cluster_subnet: inference_api_keys, inference_gateway_allow and
     budgetgpu_cluster_subnet, for gateway_problems (an empty allow list, no key, a bad key).
-    llama_server: {path, exists, isreg, executable} of inference_llamacpp_server on the control node.
+    llama_server: {path, exists, isreg, executable} of inference_llamacpp_server on the control node;
+    rpc_server: the same of inference_llamacpp_rpc_server, needed where a llama.cpp worker spans nodes.
     vllm_wheelhouses, wheels: the vLLM nodes' wheelhouses and the wheels in them (vllm_wheelhouse_problems).
     """
     active = [s for s in services or [] if s.get("state") != "absent"]
@@ -466,7 +513,7 @@ def inference_check(
             )
     problems += _port_problems(_port_owners(active, hostvars, hosts, jobs))
     problems += vllm_venv_problems(active)
-    problems += llama_server_problems(active, llama_server)
+    problems += llama_server_problems(active, llama_server, rpc_server)
     problems += vllm_wheelhouse_problems(active, hostvars, hosts, vllm_wheelhouses, wheels)
     problems += gateway_problems(active, api_keys, gateway_allow, cluster_subnet)
     return problems

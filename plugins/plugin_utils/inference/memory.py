@@ -177,19 +177,23 @@ def _layer_text(held: list[int], layers: int) -> str:
 
 
 def llamacpp_gpu_needs(
-    service: Mapping[str, Any], gguf_bytes: int, layout: list[tuple[str, list[dict[str, Any]]]], slot: int = 0
+    service: Mapping[str, Any],
+    gguf_bytes: int,
+    layout: list[tuple[str, list[dict[str, Any]]]],
+    slot: int = 0,
+    shape: Mapping[str, int] | None = None,
 ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """Return (node, GPU, need) for each GPU of one llama.cpp worker (layout: worker_layouts' entry), in
     llama-server's device order. The GGUF's weights go by layer: the file over the model's layers + the
     output layer, each the same size (the input embeddings, which llama.cpp keeps on the CPU, counted in:
     the check errs on refusing); each repeating layer holds its KV cache: 2 (K and V) x kv_heads x
-    head_dim x 2 B (f16) x llamacpp_context tokens (-c: every slot's context). Without model_shape
-    the layers are unknown: the weights go by the split's shares and the KV cache is not counted (the
-    text says so). Each GPU adds a CUDA context. slot: the worker's, for the text. need:
+    head_dim x 2 B (f16) x llamacpp_context tokens (-c: every slot's context). shape: {layers, kv_heads,
+    head_dim} (the GGUF header's, or the service's model_shape: checks._gguf_shape); without it the layers
+    are unknown: the weights go by the split's shares and the KV cache is not counted (the text says so).
+    Each GPU adds a CUDA context. slot: the worker's, for the text. need:
     {per_gpu_bytes, weights_bytes, kv_cache_bytes, gpus, layers, hint, text}."""
     devices = llamacpp_devices(layout)
     split = llamacpp_tensor_split(service, [gpu for _host, gpu in devices])
-    shape = service.get("model_shape") if isinstance(service.get("model_shape"), Mapping) else None
     shown = ":".join(f"{share:g}" for share in split)
     where = f"of {len(devices)} of worker {layout[0][0]}@{slot} (tensor split {shown})"
     hint = (
@@ -204,7 +208,8 @@ def llamacpp_gpu_needs(
             per_gpu = weights + CUDA_CONTEXT_BYTES
             text = (
                 f"{_gib(per_gpu)} (device {number} {where}: GGUF {_gib(gguf_bytes)} x {split[number]:g}/{total:g}"
-                f" = {_gib(weights)} + {context} CUDA context; KV cache not counted: the service gives no model_shape)"
+                f" = {_gib(weights)} + {context} CUDA context; KV cache not counted: neither the GGUF header nor "
+                "model_shape gives the model's shape)"
             )
             need = {"per_gpu_bytes": per_gpu, "weights_bytes": weights, "kv_cache_bytes": 0, "layers": None}
             needs.append((host, gpu, {**need, "gpus": len(devices), "hint": hint, "text": text}))

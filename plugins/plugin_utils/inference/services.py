@@ -98,8 +98,9 @@ LLAMACPP_MAX_SLOTS = 256
 LLAMACPP_MAX_CONTEXT = 1_048_576
 
 
-# What a GGUF model's KV cache is made of (a service's model_shape, engine llamacpp): per layer and token,
-# K and V of kv_heads x head_dim elements. The guide's 70B (Llama-2/3 70B): 80 layers, 8 KV heads, 128.
+# What a GGUF model's KV cache is made of (engine llamacpp: its GGUF header's, gguf_header.py, or the
+# service's model_shape): per layer and token, K and V of kv_heads x head_dim elements. The guide's 70B
+# (Llama-2/3 70B): 80 layers, 8 KV heads, 128.
 MODEL_SHAPE_KEYS = ("layers", "kv_heads", "head_dim")
 
 
@@ -139,7 +140,8 @@ SERVICE_DEFAULTS: dict[str, Any] = {
     "gpus_per_worker": 1,
     # engine llamacpp: a worker over this many of the service's nodes, in their order (see _bad_spanning).
     "nodes_per_worker": 1,
-    # engine llamacpp: {layers, kv_heads, head_dim} of the GGUF's model, for its KV cache (MODEL_SHAPE_KEYS);
+    # engine llamacpp: {layers, kv_heads, head_dim} of the GGUF's model where its header lacks them, for its KV
+    # cache (MODEL_SHAPE_KEYS; preflight reads them from the header and refuses a model_shape that differs);
     # tensor_split: each GPU's share of a worker's layers in llama-server's device order (None: by memory).
     "model_shape": None,
     "tensor_split": None,
@@ -571,7 +573,8 @@ def _bad_spanning(service: Mapping[str, Any]) -> list[str]:
     memory check splits over. The first node of each is the head (llama-server --rpc, the gateway's
     upstream); the others run llama.cpp's RPC server on the same GPUs a single-node worker would get
     (gpus, gpus_per_worker). Only llama.cpp splits one model over nodes (its RPC backend); the split is
-    by layer, so it needs the model's model_shape. tensor_split: one share per GPU of a worker, in
+    by layer, so preflight needs the model's shape: its GGUF header's, or model_shape (checks._gguf_need
+    refuses a worker over nodes without one). tensor_split: one share per GPU of a worker, in
     llama-server's device order (the RPC nodes' GPUs in node order, then the head's own)."""
     bad, engine = [], service.get("engine")
     per_node, shape, split = service.get("nodes_per_worker"), service.get("model_shape"), service.get("tensor_split")
@@ -595,11 +598,6 @@ def _bad_spanning(service: Mapping[str, Any]) -> list[str]:
         bad.append(
             f"model_shape: found {shape!r}, expected {{layers, kv_heads, head_dim}} of the GGUF's model as whole "
             "numbers (the guide's Llama 70B: {layers: 80, kv_heads: 8, head_dim: 128})"
-        )
-    if _is_int(per_node) and per_node > 1 and shape is None:
-        bad.append(
-            f"model_shape: found none with nodes_per_worker {per_node}, expected {{layers, kv_heads, head_dim}} of "
-            "the GGUF's model: llama.cpp splits a worker over its nodes by layer, with each layer's KV cache"
         )
     if split is not None:
         gpus = service.get("gpus_per_worker")

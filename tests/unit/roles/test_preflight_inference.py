@@ -101,44 +101,91 @@ def test_a_gateway_open_to_everyone_or_without_a_key_is_refused_and_no_key_is_sh
     )
 
 
+def write_gguf_header(path: Path, layers: int, heads: int, head_dim: int) -> None:
+    """A GGUF file with a model's header and no tensors, written by llama.cpp's own writer (the gguf package)."""
+    gguf = pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_embedding_length(heads * head_dim)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def test_a_llamacpp_service_needs_its_gguf_file_and_llama_server_on_the_control_node(tmp_path):
+    # chat on one node, span over both (llama.cpp's RPC): span needs ggml-rpc-server on the control node too.
     gguf = tmp_path / "models" / "tiny.gguf"
-    services = [service("chat", str(gguf), task="generation", engine="llamacpp", concurrency=2)]
-    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, inference_services=services, **GATEWAY)
+    services = [
+        service("chat", str(gguf), task="generation", engine="llamacpp", concurrency=2, gpus=[0]),
+        service(
+            "span", str(gguf), task="generation", engine="llamacpp", gpus=[1], nodes_per_worker=2, port=8200,
+            gateway={"port": 8081},
+        ),
+    ]  # fmt: skip
+    # One node where the run fails anyway (span's 2 nodes a worker are refused too), a playbook run with a
+    # node less; both where it passes.
+    node, nodes = {"fake1": gpu_node()}, {"fake1": gpu_node(), "fake2": gpu_node()}
+    proc = playbook(tmp_path, [], node, inference_services=services, **GATEWAY)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     for line in (
         f"FAIL control node: service chat: model: found no GGUF file {gguf} on the control node",
         "FAIL control node: inference_llamacpp_server: found none, expected the absolute path of llama.cpp's "
-        "llama-server on the control node for service chat of engine llamacpp (scripts/build-llama-server builds it",
+        "llama-server on the control node for service chat, span of engine llamacpp (scripts/build-llama-server "
+        "builds it",
+        "FAIL control node: inference_llamacpp_rpc_server: found none, expected the absolute path of llama.cpp's RPC "
+        "server ggml-rpc-server on the control node for service span whose workers span nodes (nodes_per_worker)",
     ):
         assert line in out, line
     assert list((tmp_path / "written").iterdir()) == []
-    # A binary that is not executable is refused too; a GGUF file and an executable llama-server pass.
+    # A binary that is not executable is refused too, and a missing ggml-rpc-server beside llama-server (the
+    # role's default), and a file that is no GGUF (its header is read with the gguf package).
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF" + bytes(4096))
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\n")
     (tmp_path / "written").rename(tmp_path / "written-1")
     variables = {"inference_services": services, "inference_llamacpp_server": str(server), **GATEWAY}
-    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **variables)
+    proc = playbook(tmp_path, [], node, **variables)
     assert proc.returncode != 0
-    assert f"FAIL control node: inference_llamacpp_server: found {server}, which is not an executable" in proc.stdout
+    for line in (
+        f"FAIL control node: inference_llamacpp_server: found {server}, which is not an executable",
+        f"FAIL control node: inference_llamacpp_rpc_server: found {tmp_path}/ggml-rpc-server, which is not an "
+        "executable file there",
+        f"FAIL control node: service chat: model: {gguf}: found a file whose GGUF header cannot be read (Sorry, file "
+        "appears to be version 0 which we cannot handle), expected a GGUF model file",
+    ):
+        assert line in proc.stdout, line
     server.chmod(0o755)
+    (tmp_path / "ggml-rpc-server").write_text("#!/bin/sh\n")
+    (tmp_path / "ggml-rpc-server").chmod(0o755)
+    # The tiny model's shape (2 layers, 2 KV heads of 32) in its header; a model_shape that differs is refused.
+    write_gguf_header(gguf, layers=2, heads=2, head_dim=32)
     (tmp_path / "written").rename(tmp_path / "written-relative")
-    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **{**variables, "inference_llamacpp_server": "llama-server"})
-    assert "FAIL control node: inference_llamacpp_server: found 'llama-server', a relative path" in proc.stdout
+    misshaped = [{**services[0], "model_shape": {"layers": 2, "kv_heads": 4, "head_dim": 32}}, services[1]]
+    relative = {**variables, "inference_llamacpp_server": "llama-server", "inference_services": misshaped}
+    proc = playbook(tmp_path, [], node, **relative)
+    for line in (
+        "FAIL control node: inference_llamacpp_server: found 'llama-server', a relative path",
+        f"FAIL control node: service chat: model_shape.kv_heads: found 4, expected 2, what the GGUF header of {gguf} "
+        "says (llama.attention.head_count_kv)",
+    ):
+        assert line in proc.stdout, line
     (tmp_path / "written").rename(tmp_path / "written-2")
-    shaped = [{**services[0], "model_shape": {"layers": 2, "kv_heads": 2, "head_dim": 32}}]
-    proc = playbook(tmp_path, [], {"fake1": gpu_node()}, **{**variables, "inference_services": shaped})
+    proc = playbook(tmp_path, [], nodes, **variables)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "inference placement passed: 1 services, chat" in proc.stdout
-    # What the GPU holds is printed with the arithmetic, the KV cache counted (issue 43 item 3).
+    assert "inference placement passed: 2 services, chat, span" in proc.stdout
+    # What the GPU holds is printed with the arithmetic, the KV cache counted by the shape in the GGUF's header
+    # (issue 43 item 3).
     said = " ".join(proc.stdout.split())  # the YAML callback folds long lines
     for words in (
         f"fake1 GPU 0 ({RTX}, 24576 MiB): service chat: 502 MiB (layers 0-1 of 2 + the output layer on device 0",
         "KV cache 2 layers x 1 MiB (2 x 2 KV heads x 32 x 2 B x 4608 tokens) = 2 MiB + 500 MiB CUDA context) "
         "of 24.0 GiB",
+        f"fake2 GPU 1 ({RTX}, 24576 MiB): service span: 501 MiB (layers 0-1 of 2 on device 0 of 2 of worker fake1@0",
     ):
         assert words in said, said[-3000:]
 
