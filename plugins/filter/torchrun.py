@@ -38,6 +38,7 @@ torchrun_job_status = jobs.torchrun_job_status
 torchrun_image_problems = as_filter(jobs.torchrun_image_problems)
 torchrun_images_found = jobs.images_found
 torchrun_image_environment = jobs.image_environment
+torchrun_engine_user_problems = jobs.engine_user_problems
 
 
 class FilterModule:
@@ -51,6 +52,7 @@ class FilterModule:
             "torchrun_image_problems": torchrun_image_problems,
             "torchrun_images_found": torchrun_images_found,
             "torchrun_image_environment": torchrun_image_environment,
+            "torchrun_engine_user_problems": torchrun_engine_user_problems,
             "torchrun_masters_unknown": torchrun_masters_unknown,
             "torchrun_recorded_masters": torchrun_recorded_masters,
             "cluster_nodes": cluster_nodes,

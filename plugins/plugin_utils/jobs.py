@@ -435,6 +435,7 @@ def image_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
     value = job.get("image")
     if value is None:
         return
+    yield from _bound_dir_bads(job)
     if isinstance(value, str):
         name, digest = value.partition("@")[::2]
         if not digest:
@@ -458,9 +459,54 @@ def image_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
         yield "image.digest", value.get("digest"), f"the image id docker load gives: {DIGEST_EXPECTED}", hint
 
 
+def _bound_dir_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
+    """An image job's workdir and checkpoint_dir outside its state directory. The unit binds the state directory
+    into the image, and systemd resolves a bind's source as root, following links: a directory whose parent the
+    job's user may write (its own state directory, its home) could be swapped for a link to a place only root
+    reaches (another image's files behind root's 0700 directory). The state directory's parents are root's, so it
+    is the one directory bound; what lies in it is reached through it, links resolved inside the image."""
+    state_dir = f"{STATE_ROOT}/{job.get('name')}"
+    for field in ("workdir", "checkpoint_dir"):
+        path = job.get(field)
+        if isinstance(path, str) and path.startswith("/") and not _in_directory(path, state_dir):
+            hint = "root binds only that directory into the image; a path its user may change could be made a link"
+            yield field, path, f"{state_dir} or a directory in it, for an image job", hint
+
+
+def _in_directory(path: str, directory: str) -> bool:
+    """Whether path is directory or lies in it, with no '..' to leave it."""
+    return ".." not in path.split("/") and (path.rstrip("/") + "/").startswith(directory + "/")
+
+
+def _untagged(name: str) -> str:
+    """An image name without its tag (registry.lan:5000/team/train:v1 -> registry.lan:5000/team/train): beside a
+    digest a tag says nothing, and root's commands name the image by the digest alone."""
+    head, slash, last = name.rpartition("/")
+    return head + slash + last.partition(":")[0]
+
+
+def engine_user_problems(
+    jobs: list[Mapping[str, Any]], host: str, groups: Mapping[str, list[str]], engine_users: list[str], where: str
+) -> list[str]:
+    """Why host's jobs (all but those to be removed, image or venv) cannot run: a job's user among engine_users,
+    the users that may use the node's Docker engine (where: how they may, "in the docker group"). The docker group
+    is root's equal (docker run -v /:/host), and no job needs an engine: an image job's unit runs its image."""
+    running = [job for job in jobs if job.get("state") != "absent" and host in job_hosts(job, groups)]
+    users = sorted({str(job.get("user")) for job in running} & set(engine_users or []))
+    if not users:
+        return []
+    names = ", ".join(str(job.get("name")) for job in running if job.get("user") in users)
+    return [
+        f"{host}: job(s) {names} run as {', '.join(users)}, {where}: the docker group is root's equal "
+        "(docker run -v /:/host) and no job needs an engine (an image job's unit runs its image, docs/job-images.md): "
+        f"take {', '.join(users)} out of container_runtime_users and out of the docker group on {host} "
+        "(gpasswd -d USER docker)"
+    ]
+
+
 def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Return what the nodes do with a job's image (None: a venv job): {ref: what docker names it by,
-    digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment,
+    """Return what the nodes do with a job's image (None: a venv job): {ref: what docker names it by
+    (NAME@sha256:<digest> without a tag, or a tarball's image id), digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment,
     nvidia_libraries: where the unit binds the driver's libraries}.
     A bad image raises ValueError naming job, key, found and expected."""
     for field, found, expected, hint in image_bads(job):
@@ -471,7 +517,8 @@ def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        ref, digest, tarball = value, value.partition("@")[2], None
+        name, digest = value.partition("@")[::2]
+        ref, tarball = f"{_untagged(name)}@{digest}", None
     else:
         # docker load keeps the tarball's tags, or none: the image is named by its id.
         ref, digest, tarball = value["digest"], value["digest"], value["tarball"]
@@ -531,7 +578,7 @@ def torchrun_image_problems(
         # is not judged; one that looked and has no such image is.
         seen_by = {host: fact(hostvars, host, "budgetgpu_job_images") for host in job_hosts(job, groups)}
         found = {host: images.get(image["digest"]) or {} for host, images in seen_by.items() if images is not None}
-        what = f"job {job.get('name')}: image {image['tarball'] or image['ref']}"
+        what = f"job {job.get('name')}: image {image['tarball'] or job['image']}"
         why = f"docker load gave no image of id {image['digest']}" if image["tarball"] else "the pull did not give it"
         for host in sorted(host for host, seen in found.items() if not seen.get("id")):
             problems.append(f"{host}: {what} is missing on the node ({why})")

@@ -55,9 +55,9 @@ def test_the_image_is_the_units_root_and_its_environment_comes_first(image_unit)
 
 def test_the_jobs_directories_and_what_the_launcher_needs_are_bound_in(image_unit, launcher):
     unit = image_unit.read_text()
-    assert service_values(unit, "BindPaths") == [
-        "/var/lib/budgetgpu/jobs/main /var/lib/budgetgpu/jobs/main/checkpoints"
-    ]
+    # The state directory alone, its checkpoints in it (test_torchrun_image_trust.py: why).
+    assert service_values(unit, "BindPaths") == ["/var/lib/budgetgpu/jobs/main"]
+    assert service_values(unit, "ReadWritePaths") == ["-/var/lib/budgetgpu/jobs/main"]
     assert service_values(unit, "BindReadOnlyPaths") == [
         f"{Path(launcher).parent} /opt/budgetgpu/node/packages -/opt/budgetgpu/examples -/var/lib/budgetgpu/gpu-health "
         "-/etc/hosts -/etc/resolv.conf /etc/passwd /etc/group",
@@ -66,10 +66,10 @@ def test_the_jobs_directories_and_what_the_launcher_needs_are_bound_in(image_uni
 
 
 def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
-    # Apart from its ExecStart (the plan's: the launcher alone) and what the image adds.
-    venv = [
-        line for line in render_job_unit(tmp_path).read_text().splitlines() if not line.startswith(("#", "ExecStart="))
-    ]
+    # Apart from its ExecStart (the plan's: the launcher alone), what the image adds, and its ReadWritePaths= (the
+    # state directory alone, the test above).
+    venv_unit = render_job_unit(tmp_path).read_text()
+    venv = [line for line in venv_unit.splitlines() if not line.startswith(("#", "ExecStart=", "ReadWritePaths="))]
     added = (
         "RootDirectory=",
         "MountAPIVFS=",
@@ -78,8 +78,11 @@ def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
         "EnvironmentFile=/var/lib/budgetgpu/images",
     )
     image = image_unit.read_text().splitlines()
-    assert [line for line in image if not line.startswith(("#", "ExecStart=", *added))] == venv
+    assert [line for line in image if not line.startswith(("#", "ExecStart=", "ReadWritePaths=", *added))] == venv
     assert not [line for line in venv if line.startswith(added)]
+    assert service_values(venv_unit, "ReadWritePaths") == [
+        "-/var/lib/budgetgpu/jobs/main -/var/lib/budgetgpu/jobs/main/checkpoints"
+    ]
 
 
 @pytest.mark.parametrize("settings", [{"torchrun_sandbox": False}, {"torchrun_hardening": {"ProtectSystem": "no"}}])

@@ -25,7 +25,8 @@ GROUPS = {"gpu_nodes": ["node0", "node1"]}
 
 def test_a_pinned_image_runs_from_roots_unpacked_root_filesystem():
     assert job_image(JOB) == {
-        "ref": PINNED,
+        # Without the tag: root's commands name the image by its digest alone (test_torchrun_image_trust.py).
+        "ref": f"nvcr.io/nvidia/pytorch@sha256:{HEX}",
         "digest": f"sha256:{HEX}",
         "tarball": None,
         "root": f"/var/lib/budgetgpu/images/{HEX}/rootfs",
