@@ -10,7 +10,7 @@ A job's ``model`` (a job key, JOB_DEFAULTS; ``{}`` plans nothing) describes what
 
     model: {preset: gpt2-1.5b, batch_size: 4}           # a preset gives params, layers, width, vocab, seq_len
     model: {params: 6.74e9, layers: 32, width: 4096, vocab: 32000, seq_len: 2048, batch_size: 1,
-            optimizer: adamw, adapter: none, lora_rank: 8}
+            optimizer: adamw, adapter: none, lora_rank: 8, implementation: transformers}
 
 One rank's peak, in bytes (P parameters, of which T trained; S the shard group: ddp 1, fsdp every
 rank of the job, hsdp the ranks of one node; N = batch_size x seq_len tokens; w width; L layers):
@@ -24,10 +24,13 @@ rank of the job, hsdp the ranks of one node; N = batch_size x seq_len tokens; w 
     optimizer   T / S x state bytes (AdamW/SGD foreach: one copy of the rank's parameters)
     peak        states + DDP buckets + max(activations + gathered (+ autocast's copies), optimizer)
 
-alpha is 58.4 bytes in a 2-byte compute dtype and 116 in fp32, fitted to GPT-2 on an H200
-(docs/benchmarks/device-check.md, "fsdp"; tests/unit/plugins/plugin_utils/test_training_memory.py
-holds the planner within 15% of every row). A GPU's usable memory is its total (gpu_facts'
-memory_total_mib) less one CUDA context (inference.CUDA_CONTEXT_BYTES) and ALLOCATOR_SHARE of the card.
+alpha is by the model's implementation: Hugging Face transformers' (the default) 58.4 bytes in a 2-byte compute
+dtype and 116 in fp32, fitted to its GPT-2 on an H200 (docs/benchmarks/device-check.md, "fsdp";
+tests/unit/plugins/plugin_utils/test_training_memory.py holds the planner within 15% of every row); the example
+trainer's GPT-2 (the gpt2-* presets' implementation: example) 36.4 and 64.4, counted from the tensors its block
+saves for backward (the same test counts them again from roles/torchrun/files/train_ddp.py). A GPU's usable memory
+is its total (gpu_facts' memory_total_mib) less one CUDA context (inference.CUDA_CONTEXT_BYTES) and ALLOCATOR_SHARE
+of the card.
 
 A job over more than one node also gets link_verdict: whether its step over the inter-node link (model.link_gbit,
 else the probes' slowest cluster interface) would be slower than one node's at the same global batch
@@ -64,18 +67,27 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.preflight import
 
 GIB = 2**30
 # Published shapes: the guide's GPT-2 sizes (module_utils/gpt2.py, the table the example trainer's
-# --gpt2-size builds from) and the Llama sizes of the guide's FAQ. seq_len is the model's context; a job's
-# model keys override any.
+# --gpt2-size builds from, so they are the example trainer's model) and the Llama sizes of the guide's FAQ. seq_len
+# is the model's context; a job's model keys override any (implementation: transformers plans Hugging Face's GPT-2).
 PRESETS: dict[str, dict[str, Any]] = {
     **{
-        f"gpt2-{name}": {"params": gpt2_params(size), **{k: size[k] for k in ("layers", "width", "vocab", "seq_len")}}
+        f"gpt2-{name}": {
+            "params": gpt2_params(size),
+            **{k: size[k] for k in ("layers", "width", "vocab", "seq_len")},
+            "implementation": "example",
+        }
         for name, size in GPT2_SIZES.items()
     },
     "llama-7b": {"params": 6_738_415_616, "layers": 32, "width": 4096, "vocab": 32000, "seq_len": 2048},
     "llama-13b": {"params": 13_015_864_320, "layers": 40, "width": 5120, "vocab": 32000, "seq_len": 2048},
 }
 SHAPE_KEYS = ("params", "layers", "width", "vocab", "seq_len", "batch_size")
-MODEL_DEFAULTS: dict[str, Any] = {"optimizer": "adamw", "adapter": "none", "lora_rank": 8}
+MODEL_DEFAULTS: dict[str, Any] = {
+    "optimizer": "adamw",
+    "adapter": "none",
+    "lora_rank": 8,
+    "implementation": "transformers",
+}
 # What link_verdict reads, both optional: the inter-node link in Gbit/s (else the probes') and the seconds of a
 # step at the job's global batch on one node (a one-node run's status; without it there is no verdict).
 LINK_KEYS = ("link_gbit", "one_node_step_s")
@@ -85,10 +97,13 @@ MODEL_KEYS = ("preset", *SHAPE_KEYS, *MODEL_DEFAULTS, *LINK_KEYS)
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}
 ADAPTERS = ("none", "lora", "qlora")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-# Activations a transformer block keeps for backward, per token and per unit of width, by the compute
-# dtype's bytes (GPT-2 under fused attention: no seq^2 term), and the logits' bytes per token and vocabulary
-# entry (Hugging Face upcasts them to fp32 for the loss). Fitted to the H200 table (module docstring).
-ALPHA = {2: 58.4, 4: 116.0}
+# Activations a transformer block keeps for backward, per token and per unit of width, by the model's
+# implementation and the compute dtype's bytes (GPT-2 under fused attention: no seq^2 term), and the logits' bytes
+# per token and vocabulary entry (Hugging Face upcasts them to fp32 for the loss). transformers': fitted to the
+# H200 table (module docstring); its gelu_new is a chain of element-wise ops that each keep a tensor of 4 x width.
+# example: train_ddp.Block's saved tensors (torch's fused tanh GELU, no dropout), fp32 and under bf16 autocast
+# (LayerNorm and the residual stream stay fp32), counted by the unit test.
+ALPHA = {"transformers": {2: 58.4, 4: 116.0}, "example": {2: 36.4, 4: 64.4}}
 LOGITS_BYTES = 12.5
 BLOCK_PARAMS_PER_WIDTH2 = 12  # attention 4 w^2 + MLP 8 w^2
 GATHERED_BLOCKS = 2  # FSDP2 prefetches the next block while the current one computes
@@ -136,7 +151,11 @@ def model_bads(model: Any) -> list[tuple[str, Any, str, str]]:
             what = "a positive number" if key == "params" else "a whole number of 1 or more"
             hint = "the per-rank micro-batch" if key == "batch_size" else "needed unless the preset gives it"
             bads.append((f"model.{key}", value, what, hint))
-    for key, choices in (("optimizer", tuple(OPTIMIZER_STATES)), ("adapter", ADAPTERS)):
+    for key, choices in (
+        ("optimizer", tuple(OPTIMIZER_STATES)),
+        ("adapter", ADAPTERS),
+        ("implementation", tuple(ALPHA)),
+    ):
         if model.get(key, MODEL_DEFAULTS[key]) not in choices:
             bads.append((f"model.{key}", model.get(key), f"one of {', '.join(choices)}", ""))
     rank = model.get("lora_rank", MODEL_DEFAULTS["lora_rank"])
@@ -168,7 +187,7 @@ def rank_plan(spec: Mapping[str, Any], options: Mapping[str, Any], shard: int) -
     trained = spec["params"] if adapter == "none" else ADAPTER_MATRICES * spec["lora_rank"] * width * layers
     frozen = 0.0 if adapter == "none" else spec["params"] * FROZEN_BYTES[adapter]
     per_trained = state * (2 + OPTIMIZER_STATES[spec["optimizer"]])
-    block = ALPHA[compute] * tokens * width
+    block = ALPHA[spec["implementation"]][compute] * tokens * width
     logits = LOGITS_BYTES * tokens * spec["vocab"]
     if options["activation_checkpointing"]:
         activations = layers * tokens * width * compute + block + logits

@@ -35,7 +35,7 @@ def planned(head: dict[str, Any], row: dict[str, Any], one_node_s: float) -> dic
     size = head["model"]
     spec = training_memory.model_spec(
         {"params": head["params"], **{k: size[k] for k in ("layers", "width", "vocab", "seq_len")},
-         "batch_size": row["global_batch"] // row["nodes"], "one_node_step_s": one_node_s}
+         "batch_size": row["global_batch"] // row["nodes"], "one_node_step_s": one_node_s, "implementation": "example"}
     )  # fmt: skip
     parallelism = "fsdp" if row["nodes"] == 1 else row["parallelism"]  # fsdp at 1: no DDP buckets, as planned
     options = {"parallelism": parallelism, "mixed_precision": "none", "state_precision": "fp32",
