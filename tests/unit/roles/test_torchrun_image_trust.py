@@ -37,6 +37,12 @@ def plan_image(image) -> dict:
     return job["image"]
 
 
+@pytest.fixture(scope="module")
+def tagged_unit(tmp_path_factory) -> str:
+    """The unit of a job whose image is named with a tag beside its digest."""
+    return render_job_unit(tmp_path_factory.mktemp("tagged"), {"test_job": {"image": plan_image(TAGGED)}}).read_text()
+
+
 def roots_image_commands(image: dict) -> list[str]:
     """Every command, path and argv of images.yml's tasks (root's, on the node) rendered for one image: item is
     the image in the loops over the images, item.item (item.item.item) in those over registered results."""
@@ -58,7 +64,7 @@ def roots_image_commands(image: dict) -> list[str]:
 
 # (a) A planted tag. The job user has no engine to retag with; still, what root pulls, inspects and unpacks,
 # and the unit's root, are named by the digest alone: a tag beside it is dropped.
-def test_roots_image_commands_and_the_units_root_name_the_digest_and_no_tag(tmp_path):
+def test_roots_image_commands_and_the_units_root_name_the_digest_and_no_tag(tagged_unit):
     image = plan_image(TAGGED)
     assert image["ref"] == f"registry.lan:5000/team/train@sha256:{HEX}"
     commands = roots_image_commands(image)
@@ -69,10 +75,9 @@ def test_roots_image_commands_and_the_units_root_name_the_digest_and_no_tag(tmp_
         assert f"registry.lan:5000/team/train@sha256:{HEX}" in command, command
     for command in commands:
         assert ":v1" not in command, command
-    unit = render_job_unit(tmp_path, {"test_job": {"image": image}}).read_text()
-    assert f"RootDirectory=/var/lib/budgetgpu/images/{HEX}/rootfs" in unit.splitlines()
-    assert f"EnvironmentFile=/var/lib/budgetgpu/images/{HEX}/env" in unit.splitlines()
-    assert ":v1" not in unit
+    assert f"RootDirectory=/var/lib/budgetgpu/images/{HEX}/rootfs" in tagged_unit.splitlines()
+    assert f"EnvironmentFile=/var/lib/budgetgpu/images/{HEX}/env" in tagged_unit.splitlines()
+    assert ":v1" not in tagged_unit
 
 
 def test_a_tarballs_image_is_named_by_its_id_alone():
@@ -137,14 +142,13 @@ def test_an_image_unit_binds_and_opens_only_the_state_directory(tmp_path):
 # (c) An environment aimed at root. The job's environment (LD_PRELOAD, PATH, PYTHONPATH) and the image's are
 # read by the job's unit alone, which runs as the job's user with no root line; root's image tasks run with
 # Ansible's environment and write the image's Config.Env into a file as data.
-def test_the_jobs_and_the_images_environment_reach_only_the_jobs_unit(tmp_path):
-    image = plan_image(TAGGED)
-    unit = render_job_unit(tmp_path, {"test_job": {"image": image}}).read_text()
+def test_the_jobs_and_the_images_environment_reach_only_the_jobs_unit(tagged_unit):
+    unit = tagged_unit
     assert ROOT_LINE.findall(unit) == []
     assert [line for line in unit.splitlines() if line.startswith("User=")] == ["User=budgetgpu"]
     assert not [line for line in unit.splitlines() if line.startswith("PassEnvironment=")]
     assert [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("EnvironmentFile=")] == [
-        image["env_file"],
+        f"/var/lib/budgetgpu/images/{HEX}/env",
         "-/etc/budgetgpu/nccl.env",
         "/etc/budgetgpu/jobs/main.env",
     ]
