@@ -506,8 +506,9 @@ def engine_user_problems(
 
 def job_image(job: Mapping[str, Any]) -> dict[str, Any] | None:
     """Return what the nodes do with a job's image (None: a venv job): {ref: what docker names it by
-    (NAME@sha256:<digest> without a tag, or a tarball's image id), digest, tarball (None: pulled), root: the unpacked root filesystem, env_file: its environment,
-    nvidia_libraries: where the unit binds the driver's libraries}.
+    (NAME@sha256:<digest> without a tag, or a tarball's image id), digest, tarball (None: pulled), root: the
+    unpacked root filesystem, env_file: its environment, nvidia_libraries: where the unit binds the driver's
+    libraries}.
     A bad image raises ValueError naming job, key, found and expected."""
     for field, found, expected, hint in image_bads(job):
         raise ValueError(

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import engine_user_problems, torchrun_jobs_normalize
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    engine_user_problems,
+    torchrun_jobs_normalize,
+)
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import (
     host_results,
     local_inventory,

@@ -28,7 +28,9 @@ ROOT_LINE = re.compile(r"^Exec\w+=[-@:|]*(\+|!)", re.MULTILINE)
 
 def plan_image(image) -> dict:
     (job,) = torchrun_plan(
-        torchrun_jobs_normalize([{"name": "main", "script": "/srv/train.py", "nodes": "all", "nproc_per_node": 1, "image": image}]),
+        torchrun_jobs_normalize(
+            [{"name": "main", "script": "/srv/train.py", "nodes": "all", "nproc_per_node": 1, "image": image}]
+        ),
         "node7",
         {"all": ["node7"]},
         {"node7": {}},
@@ -51,7 +53,12 @@ def roots_image_commands(image: dict) -> list[str]:
     item = {**image, "item": {**image, "item": image}}
     rendered = []
     for task in yaml.safe_load((REPO / "roles/torchrun/tasks/images.yml").read_text()):
-        for module in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.file", "ansible.builtin.copy"):
+        for module in (
+            "ansible.builtin.command",
+            "ansible.builtin.shell",
+            "ansible.builtin.file",
+            "ansible.builtin.copy",
+        ):
             args = task.get(module) or {}
             for key in ("argv", "cmd", "path", "dest", "creates"):
                 value = args.get(key)
