@@ -1332,7 +1332,7 @@ def gguf_70b_header(path: Path, **metadata) -> dict:
     """Write a GGUF header without tensors with the guide's 70B metadata as llama.cpp's converter writes
     Llama 3 70B's (80 blocks, 64 heads of 8192 / 64 = 128, 8 KV heads; a key set to None is left out), and
     read it back as preflight does (filter inference_gguf_header)."""
-    gguf = pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+    gguf = pytest.importorskip("gguf", reason="gguf (requirements.txt) is not installed")
     writer = gguf.GGUFWriter(str(path), "llama")
     numbers = {"block_count": 80, "embedding_length": 8192, "head_count": 64, "head_count_kv": 8, **metadata}
     for name, value in numbers.items():
@@ -1403,7 +1403,7 @@ def test_a_model_shape_that_differs_from_the_gguf_header_is_refused(tmp_path):
 def test_a_gguf_file_that_cannot_be_read_or_no_gguf_package_is_refused_without_a_traceback(tmp_path, monkeypatch):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(64))
-    pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+    pytest.importorskip("gguf", reason="gguf (requirements.txt) is not installed")
     assert gguf_header.gguf_header(str(bad)) == {
         "error": "found a file whose GGUF header cannot be read (Sorry, file appears to be version 0 which we cannot "
         "handle), expected a GGUF model file"

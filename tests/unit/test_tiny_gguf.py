@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gguf_header import gguf_header
 
-gguf = pytest.importorskip("gguf", reason="gguf (tests/unit/requirements.txt) is not installed")
+gguf = pytest.importorskip("gguf", reason="gguf (requirements.txt) is not installed")
 pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
 pytest.importorskip("transformers", reason="transformers (tests/unit/requirements.txt) is not installed")
 
