@@ -94,6 +94,10 @@ def tasks(report: dict, host: str) -> list[tuple[str, dict]]:
     return [(task.removeprefix("budgetgpu.cluster.torchrun : "), result) for task, result in host_results(report, host)]
 
 
+def task_names(report: dict, host: str) -> list[str]:
+    return [pair[0] for pair in tasks(report, host)]
+
+
 def failed(report: dict, host: str) -> tuple[str, str]:
     """The task that failed on host and its message ("", "" where none did)."""
     for task, result in tasks(report, host):
@@ -119,13 +123,13 @@ def test_container_runtime_users_naming_a_jobs_user_is_refused_before_the_node_i
     assert message.startswith("listed: job(s) main run as carol, listed in container_runtime_users: ")
     assert message.endswith(WAY_OUT.format(host="listed").replace("budgetgpu", "carol"))
     # Refused by the jobs' entry point: torchrun's preflight (which reads the node) never ran there.
-    assert "Read the users the jobs run as" not in [task for task, _ in tasks(report, "listed")]
+    assert "Read the users the jobs run as" not in task_names(report, "listed")
 
 
 @pytest.mark.parametrize("host", ["apart", "removed"])
 def test_a_job_whose_user_has_no_engine_passes(report, host):
     assert failed(report, host) == ("", "")
-    assert "Refuse a job whose user may use the Docker engine" in [task for task, _ in tasks(report, host)]
+    assert "Refuse a job whose user may use the Docker engine" in task_names(report, host)
 
 
 def test_the_rule_names_every_job_and_user_of_the_node_and_no_other_nodes():
