@@ -146,6 +146,21 @@ def test_an_image_unit_binds_and_opens_only_the_state_directory(tmp_path):
             assert "/var/lib/budgetgpu/jobs" not in line, line
 
 
+# A setuid file of the image (su, sudo, one its author left): no privilege gained in the unit, whatever
+# torchrun_hardening says (the host's own setuid files are its admin's choice; an image's are not).
+def test_an_image_units_job_gains_no_privilege_whatever_the_hardening_says(tmp_path):
+    overrides = {"NoNewPrivileges": "no", "RestrictSUIDSGID": "no", "CapabilityBoundingSet": "CAP_SETUID"}
+    settings = {"torchrun_sandbox": False, "torchrun_hardening": {**overrides, "AmbientCapabilities": "CAP_SETUID"}}
+    unit = render_job_unit(tmp_path, {"test_job": {"image": plan_image(TAGGED)}, **settings}).read_text()
+    values = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in unit.splitlines() if "=" in line}
+    assert [values[key] for key in ("NoNewPrivileges", "RestrictSUIDSGID", "CapabilityBoundingSet")] == [
+        "yes",
+        "yes",
+        "",
+    ]
+    assert values["AmbientCapabilities"] == ""
+
+
 # (c) An environment aimed at root. The job's environment (LD_PRELOAD, PATH, PYTHONPATH) and the image's are
 # read by the job's unit alone, which runs as the job's user with no root line; root's image tasks run with
 # Ansible's environment and write the image's Config.Env into a file as data.
