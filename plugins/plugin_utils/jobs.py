@@ -468,14 +468,14 @@ def _bound_dir_bads(job: Mapping[str, Any]) -> Iterator[Bad]:
     state_dir = f"{STATE_ROOT}/{job.get('name')}"
     for field in ("workdir", "checkpoint_dir"):
         path = job.get(field)
-        if isinstance(path, str) and path.startswith("/") and not _in_directory(path, state_dir):
+        if isinstance(path, str) and path.startswith("/") and not in_directory(path, state_dir):
             hint = "root binds only that directory into the image; a path its user may change could be made a link"
             yield field, path, f"{state_dir} or a directory in it, for an image job", hint
 
 
-def _in_directory(path: str, directory: str) -> bool:
+def in_directory(path: str, directory: str) -> bool:
     """Whether path is directory or lies in it, with no '..' to leave it."""
-    return ".." not in path.split("/") and (path.rstrip("/") + "/").startswith(directory + "/")
+    return ".." not in path.split("/") and (path.rstrip("/") + "/").startswith(directory.rstrip("/") + "/")
 
 
 def _untagged(name: str) -> str:

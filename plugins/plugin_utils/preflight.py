@@ -46,6 +46,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     STATES,
     USER_NAME,
     image_bads,
+    in_directory,
     job_backend,
     job_hosts,
     job_master,
@@ -87,10 +88,6 @@ def _where(hosts: list[str]) -> str:
     return ",".join(hosts) if hosts else "all"
 
 
-def _below(path: str | None, directory: Any) -> bool:
-    return bool(path and isinstance(directory, str)) and posixpath.commonpath([path, directory]) == directory
-
-
 def job_script_path(job: Mapping[str, Any]) -> str | None:
     """Return the absolute path of a job's script on the nodes (relative paths: in its workdir)."""
     script = job.get("script")
@@ -108,7 +105,8 @@ def preflight_script_paths(
     for job in jobs:
         if host in job_hosts(job, groups) and job.get("state") != "absent":
             path = job_script_path(job)
-            in_image = job.get("image") and not _below(path, job.get("workdir"))
+            workdir = job.get("workdir")
+            in_image = job.get("image") and not (path and isinstance(workdir, str) and in_directory(path, workdir))
             if path and not in_image and path not in (provided or []) and path not in paths:
                 paths.append(path)
     return paths
