@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,9 @@ INSTALLED = EPHEMERAL / "galaxy" / "collections" / "ansible_collections" / "budg
 CONFIG = EPHEMERAL / "galaxy" / "ansible.cfg"
 
 
-def nightly_command(*args: str) -> list[str]:
+def nightly_command(*args: str, logs: Path = LOGS) -> list[str]:
     command = [str(INSTALLED / "scripts" / "nightly-reprovision"), "--inventory", str(INVENTORY)]
-    command += ["--log-dir", str(LOGS)]
+    command += ["--log-dir", str(logs)]
     command += ["--ansible-playbook", shutil.which("ansible-playbook") or "ansible-playbook"]
     return [*command, "--keep", "20", "--ansible-config", str(CONFIG), *args]
 
@@ -54,17 +55,46 @@ def nightly_env() -> dict[str, str]:
     return {**env, "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(EPHEMERAL / "facts")}
 
 
-def nightly(*args: str, facts: Path | None = None) -> tuple[int, dict, str, float]:
-    """Run the script once: (exit status, drift report, summary, wall seconds); `facts` is another
-    fact cache directory than the scenario's."""
-    start = time.monotonic()
+@dataclass
+class Run:
+    """A nightly run started in the background: its process, log directory and start."""
+
+    process: subprocess.Popen
+    logs: Path
+    start: float
+
+
+def start_nightly(*args: str, facts: Path | None = None, logs: Path = LOGS) -> Run:
+    """Start the script; `facts` is another fact cache directory than the scenario's, `logs` another
+    log directory (with its own lock) than the scenario's."""
     env = nightly_env() if facts is None else {**nightly_env(), "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(facts)}
-    done = subprocess.run(nightly_command(*args), env=env, capture_output=True, text=True, timeout=1200, check=False)
-    wall = time.monotonic() - start
-    report = json.loads((LOGS / "latest" / "drift.json").read_text())
-    summary = (LOGS / "latest" / "summary.txt").read_text()
+    command = nightly_command(*args, logs=logs)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return Run(process, logs, time.monotonic())
+
+
+def finish_nightly(run: Run) -> tuple[int, dict, str, float]:
+    """Wait for a started run: (exit status, drift report, summary, wall seconds)."""
+    run.process.communicate(timeout=1200)
+    wall = time.monotonic() - run.start
+    report = json.loads((run.logs / "latest" / "drift.json").read_text())
+    summary = (run.logs / "latest" / "summary.txt").read_text()
     print(summary)
-    return done.returncode, report, summary, wall
+    return run.process.returncode, report, summary, wall
+
+
+def nightly(*args: str) -> tuple[int, dict, str, float]:
+    """Run the script once: (exit status, drift report, summary, wall seconds)."""
+    return finish_nightly(start_nightly(*args))
+
+
+def wait_for_lock_holder(run: Run) -> Path:
+    """Wait until the started run holds its lock and has written its holder into it; the lock."""
+    lock = run.logs / "nightly.lock"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (lock.exists() and lock.read_text().strip()):
+        time.sleep(0.1)
+    return lock
 
 
 def on(node: str, command: str, check: bool = True) -> str:
@@ -251,9 +281,9 @@ def test_a_job_unit_between_restarts_counts_as_a_running_job(drift_run):
             time.sleep(0.2)
         assert unit_state(NODES[0], FLAKY_UNIT) == "activating/auto-restart"
         docker_before = started_at(NODES[0], "docker.service")
-        # The plays that decide (probe, preflight) and the role that defers (container_runtime):
-        # half a whole run's time, the same decision.
-        rc, report, summary, _unused = nightly("--", "--tags", "probe,preflight,container_runtime")
+        # The plays that decide (probe, preflight) and the role that defers (container_runtime), on
+        # the node whose Docker restart is pending: a part of a whole run's time, the same decision.
+        rc, report, summary, _unused = nightly("--", "--tags", "probe,preflight,container_runtime", "--limit", NODES[0])
         assert report["hosts"][NODES[0]]["jobs_active"] == [FLAKY_UNIT], summary
         assert started_at(NODES[0], "docker.service") == docker_before, "docker.service was restarted"
         assert any("docker" in entry.lower() for entry in report["hosts"][NODES[0]]["pending"]), summary
@@ -264,36 +294,49 @@ def test_a_job_unit_between_restarts_counts_as_a_running_job(drift_run):
         on(NODES[0], f"systemctl daemon-reload; systemctl reset-failed {FLAKY_UNIT}", check=False)
 
 
-def test_the_pending_change_is_applied_on_the_first_run_without_a_job(drift_run):
+@pytest.fixture(scope="module")
+def pending_run(drift_run):
+    """With no job running, the plays that decide (probe, preflight), the role whose Docker restart
+    is pending (container_runtime) and the role that starts the jobs again (torchrun); a second run
+    started while this one holds the lock."""
     for node in NODES:
         on(node, f"systemctl stop {JOB_UNIT}")
     docker_before = started_at(NODES[0], "docker.service")
-    rc, report, summary, _unused = nightly()
-    assert rc == 10, summary
-    assert started_at(NODES[0], "docker.service") != docker_before, "docker.service was not restarted"
-    assert not report["hosts"][NODES[0]]["pending"], summary
+    run = start_nightly("--", "--tags", "probe,preflight,container_runtime,torchrun")
+    try:
+        lock = wait_for_lock_holder(run)
+        second = subprocess.run(
+            nightly_command(), env=nightly_env(), capture_output=True, text=True, timeout=60, check=False
+        )
+    finally:
+        rc, report, summary, _unused = finish_nightly(run)
+    return {
+        "rc": rc,
+        "report": report,
+        "summary": summary,
+        "docker_before": docker_before,
+        "docker_after": started_at(NODES[0], "docker.service"),
+        "pid": run.process.pid,
+        "lock": lock,
+        "second": second,
+    }
+
+
+def test_the_pending_change_is_applied_on_the_first_run_without_a_job(pending_run):
+    assert pending_run["rc"] == 10, pending_run["summary"]
+    assert pending_run["docker_after"] != pending_run["docker_before"], "docker.service was not restarted"
+    assert not pending_run["report"]["hosts"][NODES[0]]["pending"], pending_run["summary"]
     for node in NODES:
         wait_for_job(node)
 
 
-def test_a_second_run_is_refused_while_the_first_holds_the_lock():
-    # The first run holds the lock from its start to its end, whatever it runs: the probes only.
-    first = subprocess.Popen(
-        nightly_command("--", "--tags", "probe"), env=nightly_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        lock = LOGS / "nightly.lock"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (lock.exists() and lock.read_text().strip()):
-            time.sleep(0.1)
-        second = subprocess.run(
-            nightly_command(), env=nightly_env(), capture_output=True, text=True, timeout=60, check=False
-        )
-        assert second.returncode == 75, second.stderr
-        assert f"holds the lock {lock}: PID {first.pid} on " in second.stderr
-    finally:
-        first.communicate(timeout=1200)
-    assert first.returncode == 0
+def test_a_second_run_is_refused_while_the_first_holds_the_lock(pending_run):
+    # The first run (the pending change's) holds the lock from its start to its end.
+    second = pending_run["second"]
+    assert second.returncode == 75, second.stderr
+    assert f"holds the lock {pending_run['lock']}: PID {pending_run['pid']} on " in second.stderr
+    # The first run ends as it would alone.
+    assert pending_run["rc"] == 10, pending_run["summary"]
 
 
 def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovisioned():
@@ -303,7 +346,8 @@ def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovis
     wait_for_job(NODES[0])
     down_address = cluster_address(NODES[1])
     assert down_address in member_addresses(NODES[0])
-    subprocess.run(["docker", "stop", NODES[1]], check=True, capture_output=True, timeout=120)
+    # Killed: where `docker stop` ends after its 10 s (systemd, PID 1, takes SIGTERM as "re-execute").
+    subprocess.run(["docker", "kill", NODES[1]], check=True, capture_output=True, timeout=120)
     try:
         job_pid = main_pid(NODES[0], JOB_UNIT)
         on(NODES[0], f"rm {NCCL_ENV}")
@@ -329,20 +373,28 @@ def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovis
 @pytest.fixture(scope="module")
 def pull_runs(tmp_path_factory):
     """Issue 12 item 4, reprovision_mode pull: each node runs site.yml --limit itself with a fact
-    cache that holds only itself (ansible-pull on the node), one node after the other."""
+    cache that holds only itself (ansible-pull on the node), the nodes at once, as their own cron
+    entries start them: each run with its own log directory and lock."""
     for node in NODES:
         wait_for_job(node, 300)
     pids = {node: main_pid(node, JOB_UNIT) for node in NODES}
-    runs = {}
     for node in NODES:
-        peer = next(other for other in NODES if other != node)
         on(node, f"rm {NCCL_ENV}")
-        rc, report, summary, _unused = nightly("--", "--limit", node, facts=tmp_path_factory.mktemp(node))
+    started = {
+        node: start_nightly(
+            "--", "--limit", node, facts=tmp_path_factory.mktemp(node), logs=tmp_path_factory.mktemp(f"{node}-logs")
+        )
+        for node in NODES
+    }
+    runs = {}
+    for node, run in started.items():
+        peer = next(other for other in NODES if other != node)
+        rc, report, summary, _unused = finish_nightly(run)
         runs[node] = {
             "rc": rc,
             "report": report,
             "summary": summary,
-            "log": (LOGS / "latest" / "ansible.log").read_text(),
+            "log": (run.logs / "latest" / "ansible.log").read_text(),
             "peer": peer,
             "peer_address": cluster_address(peer),
             "members": member_addresses(node),
