@@ -2,7 +2,10 @@
 inference-node1 (the head) with --rpc to ggml-rpc-server on inference-node2, both on GPU 1. Through the gateway
 with the official openai client; the RPC server killed during a run of requests: the head aborts (llama.cpp's
 behaviour), the units bring the group back (the RPC server's unit, then the head's, which waits for it) and the
-gateway answers 503 with Retry-After meanwhile, never 502; the RPC port admits the head alone.
+gateway answers 503 with Retry-After meanwhile, never 502; the RPC port admits the head alone. An RPC node that
+stays down (issue 43 item 4's last sentence): the head's unit ends failed at its start limit, naming the node, with
+an alert and no restart loop, the gateway answers 503 with Retry-After throughout, and the role's recovery
+(reset-failed, then a start) serves again once the node is back.
 
 A CPU build has no device of its own: every layer of the head goes to its one RPC device (RPC0, node2's server),
 and llama-server's default log level does not print the split; the head's connection to node2's server, and its
@@ -140,3 +143,86 @@ def test_the_rpc_port_admits_the_head_alone(addresses) -> None:
     # ...the host outside the cluster and a user of node2 itself that is not root are reset.
     assert not connects(None, "", rpc, SPAN_PORT)
     assert not connects(OTHER, "nobody", rpc, SPAN_PORT)
+
+
+# Runs on node2: drops every packet to the RPC port, so that the head's connects get no answer at all, as from a
+# node switched off (a stopped server alone answers with a reset). test_an_rpc_node_that_stays_down... deletes it.
+DROP = "budgetgpu_test_rpc_node_down"
+NODE_DOWN = (
+    f"nft add table inet {DROP} && nft add chain inet {DROP} input '{{ type filter hook input priority -10; }}'"
+    f" && nft add rule inet {DROP} input tcp dport {SPAN_PORT} drop"
+)
+# Runs on node1: the alerts of span's workers in Prometheus (this scenario's, on node1) as JSON.
+SPAN_ALERTS = """
+import json, urllib.parse, urllib.request
+query = urllib.parse.quote('ALERTS{alertname="BudgetgpuInferenceWorkerDown",service="span"}')
+answer = json.loads(urllib.request.urlopen("http://127.0.0.1:9090/api/v1/query?query=" + query, timeout=5).read())
+print(json.dumps([result["metric"] for result in answer["data"]["result"]]))
+"""
+
+
+def unit_state(node: str, unit: str) -> dict[str, str]:
+    shown = sh(node, f"systemctl show -p ActiveState,Result,NRestarts,StartLimitBurst,StartLimitIntervalUSec {unit}")
+    return dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+
+
+def span_alerts() -> list[dict]:
+    return json.loads(sh(GATEWAY, f"python3 - <<'EOF'\n{SPAN_ALERTS}\nEOF"))
+
+
+def test_an_rpc_node_that_stays_down_fails_the_head_at_its_start_limit_and_the_roles_recovery_serves_again(
+    addresses, gateway
+) -> None:
+    # molecule.yml: the head waits 5 s for its RPC server and starts at most 3 times in 2 minutes.
+    limits = unit_state(GATEWAY, HEAD)
+    assert (limits["StartLimitBurst"], limits["StartLimitIntervalUSec"]) == ("3", "2min"), limits
+    run = subprocess.Popen(
+        ["docker", "exec", OTHER, "python3", "-c", RUN, f"http://{gateway}:{SPAN_GATEWAY}/v1/completions", "150", KEY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1)
+    try:
+        # node2's RPC server goes and stays gone (nothing answers on its port); the head aborts at its next request.
+        sh(OTHER, f"systemctl stop {RPC} && {NODE_DOWN}")
+        down = time.monotonic()
+        state = unit_state(GATEWAY, HEAD)
+        while (state["ActiveState"], state["Result"]) != ("failed", "start-limit-hit") and time.monotonic() < down + 90:
+            time.sleep(0.5)
+            state = unit_state(GATEWAY, HEAD)
+        print(f"span's head failed at its start limit {time.monotonic() - down:.1f} s after its RPC node went: {state}")
+        assert (state["ActiveState"], state["Result"]) == ("failed", "start-limit-hit"), state
+        failed = time.monotonic()
+        # Its reason, naming the node, the address and the port it waited for, in its status.
+        status = sh(GATEWAY, f"systemctl status -l -n 40 --no-pager {HEAD}", check=False)
+        reason = f"the llama.cpp RPC server of node {OTHER} ({addresses[OTHER]} port {SPAN_PORT}) does not answer"
+        assert f"{reason} after 5 s" in status and "start-limit-hit" in status, status
+        # The alert on the head's /metrics that no longer answer (pending for prometheus_alert_for, then firing).
+        alerts = wait_for("span's head in ALERTS", span_alerts, timeout=20)
+        assert [(alert["unit"], alert["node"]) for alert in alerts] == [(HEAD, GATEWAY)], alerts
+        assert alerts[0]["alertstate"] in ("pending", "firing"), alerts
+        # No restart loop: nothing starts it again (RestartSec=2)...
+        time.sleep(max(0.0, failed + 3 - time.monotonic()))
+        later = unit_state(GATEWAY, HEAD)
+        assert (later["ActiveState"], later["NRestarts"]) == ("failed", state["NRestarts"]), (state, later)
+        # ...and systemd refuses a start, by hand too, for the rest of the window: hence the role's reset-failed.
+        refused = subprocess.run(["docker", "exec", GATEWAY, "systemctl", "start", HEAD], capture_output=True,
+                                 text=True, timeout=60, check=False)  # fmt: skip
+        assert refused.returncode != 0 and unit_state(GATEWAY, HEAD)["ActiveState"] == "failed", refused.stderr
+    finally:
+        # The node is back: its RPC server's unit starts (at boot: enabled).
+        sh(OTHER, f"nft delete table inet {DROP}", check=False)
+        sh(OTHER, f"systemctl start {RPC}")
+    # The recovery, as the role's run does it (tasks/run.yml): reset-failed, then enable --now.
+    sh(GATEWAY, f"systemctl reset-failed {HEAD} && systemctl enable --now {HEAD}")
+    out, err = run.communicate(timeout=200)
+    assert run.returncode == 0, err[-2000:]
+    seen = json.loads(out)
+    statuses = [answer["status"] for answer in seen]
+    # Throughout: served, then only 503s with Retry-After (never a 502 or a broken answer), then served again.
+    assert statuses[0] == 200 and 503 in statuses, seen
+    assert set(statuses) == {200, 503}, [answer for answer in seen if answer["status"] not in (200, 503)][:3]
+    assert all(answer["retry_after"] for answer in seen if answer["status"] == 503), seen
+    assert statuses[-5:] == [200] * 5, seen
+    assert unit_state(GATEWAY, HEAD)["ActiveState"] == "active"

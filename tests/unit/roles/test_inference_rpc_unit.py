@@ -5,17 +5,21 @@ the firewall table (role _firewall's template) admitting the worker's head alone
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
+import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference import engines, services
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import inference_firewall_ports
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.plan import inference_plan
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import systemd_exec
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import output_of, run_playbook
 from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_firewall import render, rules, sets
+from ansible_collections.budgetgpu.cluster.tests.unit.roles.test_prometheus_rules import alerts, render_rules
 
 REPO = Path(__file__).resolve().parents[3]
 UUIDS = [f"GPU-3090000{i}-5a1e-4c0d-9b7e-00000000000{i}" for i in range(2)]
@@ -146,35 +150,62 @@ def test_the_rpc_ports_admit_the_head_alone_another_node_and_an_outsider_are_res
 
 
 HEAD_PLAYBOOK = """\
-- name: Render the head's drop-in as role inference does
+- name: Render the head's drop-in and bring its unit to its state as role inference does
   hosts: all
   gather_facts: false
+  # systemctl: a fake that logs its arguments (FAKE_SYSTEMCTL).
+  environment:
+    PATH: "{{ test_bin }}:{{ lookup('ansible.builtin.env', 'PATH') }}"
   vars_files:
+    - "{{ test_repo }}/roles/inference/defaults/main.yml"
     - "{{ test_repo }}/roles/inference/vars/main.yml"
+  vars:
+    _inference_plan: ["{{ test_plan }}"]
+    _inference_rpc_plan: []
+    budgetgpu_disruption_allowed: true
   tasks:
     - name: Render
       ansible.builtin.template:
         src: "{{ test_repo }}/roles/inference/templates/worker.conf.j2"
-        dest: "{{ test_out }}"
+        dest: "{{ test_bin }}/../worker.conf"
         mode: "0644"
       vars:
         _inference_worker_script: /opt/budgetgpu/inference/inference_worker.py
         _inference_llama_server: /usr/local/lib/budgetgpu/llama-server
         _inference_pair: "{{ [test_plan, test_plan.workers[0]] }}"
+
+    - name: Run
+      ansible.builtin.import_tasks: "{{ test_repo }}/roles/inference/tasks/run.yml"
 """
+# `systemctl show` answers that the head is failed (its start limit hit) and enabled; every call is logged.
+FAKE_SYSTEMCTL = """\
+#!/bin/sh
+echo "$*" >> "$(dirname "$0")/calls"
+[ "$1" = show ] || exit 0
+printf 'Id=%s\\nLoadState=loaded\\nActiveState=failed\\nSubState=failed\\nUnitFileState=enabled\\n\\n' "$3"
+"""
+HEAD_PLAN = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
 
 
-def test_the_head_waits_for_its_rpc_servers_and_a_node_that_stays_down_stops_its_restarts(tmp_path):
-    plan = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
-    out = tmp_path / "worker.conf"
-    result = run_playbook(
-        tmp_path, HEAD_PLAYBOOK, {"test_repo": str(REPO), "test_out": str(out), "test_plan": plan}, host="node1"
-    )
+@pytest.fixture(name="head", scope="module")
+def fixture_head(tmp_path_factory) -> dict:
+    """One run of HEAD_PLAYBOOK on node1: {conf: the head's drop-in, calls: the systemctl command lines}."""
+    tmp_path = tmp_path_factory.mktemp("head")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (bin_dir / "systemctl").chmod(0o755)
+    extra = {"test_repo": str(REPO), "test_bin": str(bin_dir), "test_plan": HEAD_PLAN}
+    result = run_playbook(tmp_path, HEAD_PLAYBOOK, extra, host="node1")
     assert result.returncode == 0, output_of(result)
-    text = out.read_text()
+    return {"conf": (tmp_path / "worker.conf").read_text(), "calls": (bin_dir / "calls").read_text().splitlines()}
+
+
+def test_the_head_waits_for_its_rpc_servers_and_a_node_that_stays_down_stops_its_restarts(head):
+    text = head["conf"]
     conf = directives(text)
     # Before llama-server: the wait for node2's two RPC servers (30 s), then a restart 2 s after a failure...
-    wait = engines.inference_rpc_wait_command(plan["workers"][0], 30)
+    wait = engines.inference_rpc_wait_command(HEAD_PLAN["workers"][0], 30)
     assert wait[-3:] == ["node2", "10.0.0.12", "8100"], wait
     assert f"ExecStartPre={systemd_exec(wait)}" in conf
     assert "RestartSec=2" in conf
@@ -184,6 +215,13 @@ def test_the_head_waits_for_its_rpc_servers_and_a_node_that_stays_down_stops_its
     # A worker of one node waits for nothing.
     single = inference_plan(SERVICE | {"nodes_per_worker": 1}, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
     assert not single["workers"][0]["rpc_servers"]
+
+
+def test_the_run_after_an_rpc_node_comes_back_clears_the_heads_start_limit_before_it_starts_it(head):
+    # A head that hit its start limit is refused by systemd at any start, by hand too, until its window
+    # (inference_rpc_start_limit_s) ends: the role's run clears it with reset-failed first.
+    unit = HEAD_PLAN["workers"][0]["unit"]
+    assert head["calls"][1:] == [f"reset-failed {unit}", f"enable --now {unit}"], head["calls"]
 
 
 def test_the_heads_wait_passes_once_each_rpc_server_answers_and_fails_naming_a_node_that_does_not():
@@ -204,3 +242,15 @@ def test_the_heads_wait_passes_once_each_rpc_server_answers_and_fails_naming_a_n
         )
     assert refused.returncode == 1 and time.monotonic() - start < 10, refused
     assert f"the llama.cpp RPC server of node node3 (127.0.0.1 port {down}) does not answer after 2 s" in refused.stderr
+
+
+def test_a_head_failed_at_its_start_limit_is_a_unit_the_failed_unit_alert_watches():
+    # The head left failed (start-limit-hit: systemd's ActiveState failed) is node exporter's
+    # node_systemd_unit_state{name=<head>, state="failed"} 1, which BudgetgpuUnitFailed selects (its promtool test:
+    # tests/prometheus/rules_test.yml). molecule/inference (no node exporter) sees BudgetgpuInferenceWorkerDown.
+    unit = HEAD_PLAN["workers"][0]["unit"]
+    exporter = yaml.safe_load((REPO / "roles" / "node_exporter" / "defaults" / "main.yml").read_text())
+    assert re.fullmatch(exporter["node_exporter_systemd_units"], unit), (exporter, unit)
+    expr = alerts(render_rules())["BudgetgpuUnitFailed"]["expr"]
+    selected = re.search(r'name=~"([^"]+)"', expr)
+    assert selected and re.fullmatch(selected.group(1), unit) and 'state="failed"' in expr, (expr, unit)
