@@ -23,6 +23,8 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     TRAINING_KEYS,
     USER_NAME,
     coerce_numbers,
+    image_bads,
+    job_image,
     training_environment,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import node_info
@@ -39,6 +41,9 @@ BATCH_JOB_DEFAULTS: dict[str, Any] = {
     # The Unix group whose members submit the job: they alone may read its environment file (0640). Required with
     # `environment` (which may hold a token): the batch script every user can read holds no value of it.
     "group": None,
+    # The container image the job runs in (NAME@sha256:<digest> or {tarball, digest}, as torchrun_jobs takes it):
+    # torchrun.sbatch starts each node's torchrun in it with bubblewrap (docs/slurm.md). None: the venv.
+    "image": None,
     **{key: JOB_DEFAULTS[key] for key in TRAINING_KEYS},
 }
 BATCH_JOB_KEYS = frozenset(BATCH_JOB_DEFAULTS) | {"name"}
@@ -97,7 +102,7 @@ def batch_job_problems(
     Slurm nodes' node_info (whether each trains on gloo or NCCL)."""
     label = f"{host}: slurm_jobs[{job.get('name')}]"
     messages = []
-    for field, found, expected, hint in [*_bad_slurm_fields(job, nodes), *training_bads(job)]:
+    for field, found, expected, hint in [*_bad_slurm_fields(job, nodes), *training_bads(job), *image_bads(job)]:
         messages.append(f"{label}.{field}: found {found!r}, expected {expected}" + (f" ({hint})" if hint else ""))
     for problem in compression_backend_problems(job, list(infos), infos):
         messages.append(
@@ -124,8 +129,9 @@ def batch_jobs(
     """Return slurm_jobs normalised, each with ``sbatch`` (its #SBATCH options), ``env`` (what its
     script exports: training_environment, the venv), ``user_env`` (the entry's environment, which its script
     reads from a file only ``group`` may read, after env) and ``argv`` (what follows torchrun.sbatch: the
-    script or --module and the arguments). ``nodes`` are the Slurm nodes (slurm_nodes). ValueError naming
-    host, job and field for every bad entry."""
+    script or --module and the arguments) and ``image_plan`` (what the nodes do with its image, jobs.job_image's: None
+    for a venv job; ``image`` stays as given, as torchrun's image tasks read it). ``nodes`` are the Slurm nodes
+    (slurm_nodes). ValueError naming host, job and field for every bad entry."""
     if jobs is None:
         return []
     if not isinstance(jobs, list):
@@ -144,6 +150,7 @@ def batch_jobs(
         job["sbatch"] = sbatch_options(job)
         job["env"] = {**training_environment(job), "BUDGETGPU_VENV": str(job["venv"]), "PYTHONUNBUFFERED": "1"}
         job["user_env"] = {str(k): str(v) for k, v in job["environment"].items()}
+        job["image_plan"] = job_image(job)
         entry = ["--module", str(job["module"])] if job.get("module") else [str(job["script"])]
         job["argv"] = entry + [str(arg) for arg in job["args"]]
     return normalised

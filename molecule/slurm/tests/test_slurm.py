@@ -103,8 +103,8 @@ print(json.dumps({"open": answers, "granted": granted, "visible": os.environ.get
 """
 
 
-def open_gpus(args: str, user: str = "ana") -> dict:
-    result = srun(args, f"python3 -c {shlex.quote(OPEN_GPUS)}", user)
+def open_gpus(args: str, command: str = f"python3 -c {shlex.quote(OPEN_GPUS)}", user: str = "ana") -> dict:
+    result = srun(args, command, user)
     assert result.rc == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -121,6 +121,25 @@ def test_a_job_that_asks_for_two_gpus_can_open_exactly_those_two() -> None:
 
 def test_the_device_cgroup_lets_a_job_open_only_its_gpus() -> None:
     found = open_gpus("-w slurm-node1 --gres=gpu:rtx3090:1")
+    assert sorted(found["open"].values()) == ["ENXIO"] + ["EPERM"] * 3, found
+    assert [path for path, answer in found["open"].items() if answer == "ENXIO"] == [f"/dev/nvidia{found['granted']}"]
+
+
+# What torchrun.sbatch gives an image job's torchrun (files/torchrun.sbatch), less the image: the host's /usr as its
+# root, every GPU of the node bound in (more than the script binds: what a user trying to escape could bind).
+IN_BWRAP = (
+    "bwrap --die-with-parent --ro-bind /usr /usr --symlink usr/bin /bin --symlink usr/lib /lib"
+    " --symlink usr/lib64 /lib64 --dev /dev --tmpfs /dev/shm --ro-bind /proc /proc --ro-bind /sys /sys --tmpfs /tmp "
+    + " ".join(f"--dev-bind /dev/nvidia{index} /dev/nvidia{index}" for index in range(4))
+)
+
+
+def test_an_image_jobs_bubblewrap_runs_as_the_user_in_its_step_and_the_device_cgroup_still_confines_it() -> None:
+    """Issue 44: an image job's torchrun runs in bwrap, unprivileged (Debian's bwrap is not setuid), in the job
+    step's cgroup. Inside, the user keeps the GPU group (ENXIO on its GPU, not EACCES) and the step's device cgroup
+    refuses the node's other GPUs even where the user binds them in (EPERM)."""
+    assert host("slurm-node1").file("/usr/bin/bwrap").mode == 0o755
+    found = open_gpus("-w slurm-node1 --gres=gpu:rtx3090:1", f"{IN_BWRAP} -- python3 -c {shlex.quote(OPEN_GPUS)}")
     assert sorted(found["open"].values()) == ["ENXIO"] + ["EPERM"] * 3, found
     assert [path for path, answer in found["open"].items() if answer == "ENXIO"] == [f"/dev/nvidia{found['granted']}"]
 

@@ -1,0 +1,202 @@
+"""A slurm_jobs entry with an image (issue 44): pinned by digest (a tag alone refused before anything changes),
+named by its digest in everything root and the batch script do, and run by torchrun.sbatch with bubblewrap as
+the job's user, with the step's GPUs only, the image's environment under the job's own and NCCL's. The batch
+script and the image's mount unit are rendered by Ansible from the role's templates; torchrun.sbatch runs in
+bash with srun, scontrol and mountpoint stood in for (its dry run prints each node's command)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm_batch import batch_jobs
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
+
+HEX = "4f" * 32
+TAGGED = f"registry.lan:5000/team/train:v1@sha256:{HEX}"
+NODES = [{"host": "node1", "name": "node1", "gpus": [{"index": i, "type": "rtx3090"} for i in range(4)]}]
+JOB = {
+    "name": "pretrain",
+    "script": "train.py",
+    "args": ["--lr", "1e-3"],
+    "gpus_per_node": 2,
+    "image": TAGGED,
+    "environment": {"SEED": "7"},
+    "group": "ml-team",
+}
+
+
+def plan(job: dict) -> dict:
+    return batch_jobs([job], NODES, {"node1": {}}, "head")[0]
+
+
+def test_an_image_named_by_a_tag_alone_is_refused_and_a_pinned_one_is_planned_by_its_digest():
+    with pytest.raises(ValueError) as raised:
+        plan({**JOB, "image": "nvidia/cuda:12.1.1-runtime-ubuntu22.04"})
+    assert (
+        "head: slurm_jobs[pretrain].image: found 'nvidia/cuda:12.1.1-runtime-ubuntu22.04', expected "
+        "NAME@sha256:<64 hex digits>, the image pinned by digest (a tag moves" in str(raised.value)
+    )
+    image = plan(JOB)["image_plan"]
+    assert image["ref"] == f"registry.lan:5000/team/train@sha256:{HEX}"
+    assert image["root"] == f"/var/lib/budgetgpu/images/{HEX}/rootfs"
+    # torchrun's image tasks read the image as the inventory gives it, as for a systemd job.
+    assert plan(JOB)["image"] == TAGGED
+    assert plan({**JOB, "image": None})["image_plan"] is None
+
+
+RENDER = """\
+- name: Render an image job's batch script and its image's mount unit as role slurm does
+  hosts: all
+  gather_facts: false
+  vars:
+    role_path: "{{ test_repo }}/roles/slurm"
+    _slurm_home: /opt/s
+    _slurm_jobs_dir: "{{ test_out }}"
+    _slurm_images_dir: "{{ test_out }}/images"
+    _slurm_image_workdir: /budgetgpu/work
+  tasks:
+    - name: Render the job's script and environment
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/slurm/templates/{{ item }}"
+        dest: "{{ test_out }}/{{ item }}"
+        mode: "0644"
+      loop: [slurm-job.sbatch.j2, slurm-job-environment.j2]
+      vars:
+        job: "{{ test_job }}"
+    - name: Render the image's mount unit
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/slurm/templates/slurm-image.mount.j2"
+        dest: "{{ test_out }}/image.mount"
+        mode: "0644"
+      vars:
+        image: "{{ test_job.image_plan }}"
+"""
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> Path:
+    """The directory of the rendered batch script (pretrain.sbatch), its environment (pretrain.env) and the
+    image's mount unit (image.mount)."""
+    out = tmp_path_factory.mktemp("rendered")
+    result = run_playbook(out, RENDER, {"test_repo": str(REPO), "test_out": str(out), "test_job": plan(JOB)})
+    assert result.returncode == 0, output_of(result)
+    (out / "slurm-job-environment.j2").rename(out / "pretrain.env")
+    (out / "slurm-job.sbatch.j2").rename(out / "pretrain.sbatch")
+    return out
+
+
+def test_the_batch_script_and_the_mount_name_the_image_by_its_digest_and_never_its_tag(rendered):
+    script = (rendered / "pretrain.sbatch").read_text()
+    assert f"export BUDGETGPU_IMAGE=registry.lan:5000/team/train@sha256:{HEX}\n" in script
+    assert f"export BUDGETGPU_IMAGE_ROOT={rendered}/images/{HEX}\n" in script
+    mount = (rendered / "image.mount").read_text()
+    assert f"What=/var/lib/budgetgpu/images/{HEX}/rootfs\n" in mount
+    assert f"Where={rendered}/images/{HEX}\n" in mount
+    # Read-only for everyone, and nothing of the image's runs with its owner's rights or opens a device.
+    assert "Options=bind,ro,nosuid,nodev\n" in mount
+    assert ":v1" not in script + mount
+    # The mount unit runs nothing and reads no environment: systemd mounts root's tree.
+    assert not [line for line in mount.splitlines() if line.startswith(("Exec", "Environment"))]
+
+
+def test_roots_image_tasks_read_no_jobs_environment():
+    tasks = yaml.safe_load((REPO / "roles/slurm/tasks/images.yml").read_text())
+    assert [task["name"] for task in tasks if "environment" in task] == []
+    text = (REPO / "roles/slurm/tasks/images.yml").read_text()
+    # The only environment root writes is the image's Config.Env, as data; never the job's settings or entry's.
+    assert "user_env" not in text and "job.env" not in text and "budgetgpu_job_images[item.digest].env" in text
+
+
+def fake_node(tmp_path: Path, rendered: Path) -> tuple[Path, dict[str, str]]:
+    """torchrun.sbatch with its /etc files under tmp_path, the rendered batch script running it, and an
+    environment as slurmd gives a step on node1 with GPUs 2 and 3 (Slurm names them by device minor)."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "slurm-hosts").write_text("node1 10.0.0.1\n")
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (etc / "slurm-job.env").write_text(
+        f"BUDGETGPU_RDZV_PORTS=29600-29999\nBUDGETGPU_CHECKPOINT_ROOT={checkpoints}\n"
+        "BUDGETGPU_NODE_PACKAGES=/opt/budgetgpu/node/packages\n"
+    )
+    (etc / "nccl.env").write_text("# the node's\nNCCL_SOCKET_IFNAME=eth1\n")
+    images = rendered / "images"
+    (images / HEX).mkdir(parents=True, exist_ok=True)
+    # The image's environment as the role writes it (one KEY=value a line): NCCL's and the job's own win.
+    (images / f"{HEX}.env").write_text(
+        "PATH=/opt/conda/bin:/usr/bin\nNCCL_SOCKET_IFNAME=lo\nSEED=image\nLD_LIBRARY_PATH=/usr/local/nvidia/lib64\n"
+    )
+    (images / "driver-libraries").write_text("/usr/lib/libcuda.so.535.1\n/usr/lib/libcuda.so.1\n")
+    sbatch = (REPO / "roles/slurm/files/torchrun.sbatch").read_text().replace("/etc/budgetgpu", str(etc))
+    (tmp_path / "torchrun.sbatch").write_text(sbatch)
+    batch = (rendered / "pretrain.sbatch").read_text()
+    script = batch.replace("/opt/s/torchrun.sbatch", f"bash {tmp_path}/torchrun.sbatch")
+    (tmp_path / "pretrain.sbatch").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {
+        "scontrol": "echo node1",
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+        "mountpoint": "exit 0",
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NNODES": "1",
+        "SLURMD_NODENAME": "node1",
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_STEP_GPUS": "2,3",
+        "BUDGETGPU_DRY_RUN": "1",
+    }
+    return tmp_path / "pretrain.sbatch", env
+
+
+def pairs(words: list[str], option: str) -> list[tuple[str, str]]:
+    return [(words[i + 1], words[i + 2]) for i, word in enumerate(words) if word == option]
+
+
+def test_torchrun_sbatch_runs_the_image_with_bwrap_as_the_user_with_the_steps_gpus_alone(tmp_path, rendered):
+    script, env = fake_node(tmp_path, rendered)
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, check=False, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    node, _, line = done.stdout.strip().partition(": ")
+    words = line.split()
+    # bwrap itself, as whoever runs the step (no sudo, no setuid helper), the image read-only as its root.
+    assert node == "node1" and words[:2] == ["bwrap", "--die-with-parent"]
+    assert ("--ro-bind", str(rendered / "images" / HEX), "/") == tuple(words[2:5])
+    # Only the step's GPUs, by device minor; the driver's control devices where the node has them.
+    assert pairs(words, "--dev-bind") == [("/dev/nvidia2", "/dev/nvidia2"), ("/dev/nvidia3", "/dev/nvidia3")]
+    controls = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    assert pairs(words, "--dev-bind-try") == [(device, device) for device in controls]
+    # The user's directories: the job's checkpoint directory at its own path, the submit directory at the workdir.
+    user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    checkpoint = f"{tmp_path}/checkpoints/{user}/42"
+    assert pairs(words, "--bind") == [(checkpoint, checkpoint), (str(tmp_path), "/budgetgpu/work")]
+    assert ("/usr/lib/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1") in pairs(words, "--ro-bind")
+    # The image's environment, but NCCL's (nccl.env) and the job's own (the entry's SEED) stand.
+    assert pairs(words, "--setenv") == [
+        ("PATH", "/opt/conda/bin:/usr/bin"), ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64")
+    ]  # fmt: skip
+    assert words[words.index("--") :][:4] == ["--", "python3", "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in words and words[-3:] == ["train.py", "--lr", "1e-3"]
+
+
+def test_torchrun_sbatch_refuses_an_image_missing_on_the_node_and_checkpoints_outside_the_root(tmp_path, rendered):
+    script, env = fake_node(tmp_path, rendered)
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, check=False, cwd=tmp_path,
+        env={**env, "BUDGETGPU_CHECKPOINT_DIR": str(tmp_path / "elsewhere")},
+    )  # fmt: skip
+    assert done.returncode == 1 and "an image job keeps its checkpoints in" in done.stderr
+    (rendered / "images" / f"{HEX}.env").unlink()
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, check=False, cwd=tmp_path)
+    assert done.returncode == 1
+    assert f"node1: image registry.lan:5000/team/train@sha256:{HEX} is not on this node" in done.stderr
