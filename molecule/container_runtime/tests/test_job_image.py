@@ -113,8 +113,8 @@ def hex_(image) -> str:
 
 
 def test_the_job_runs_in_its_image_loaded_from_the_tarball(playbook, image, hex_):
-    # The job's user, as python_env would have created it (this scenario provisions no venv).
-    sh("id budgetgpu || useradd --system --user-group --no-create-home --shell /usr/sbin/nologin budgetgpu")
+    # The job's user, as python_env creates it (a system user with a home; this scenario provisions no venv).
+    sh("id budgetgpu || useradd --system --create-home budgetgpu")
     done = playbook("train.yml", "-e", job(image))
     assert done.returncode == 0, done.stdout[-3000:]
     assert show("RootDirectory") == f"{IMAGES}/{hex_}/rootfs"
