@@ -14,9 +14,11 @@ import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import IMAGE_ROOT, job_image
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO
 
-PLANNED, UNIT_NAMES, MOUNTED, PULLED, LOADED = ("a" * 63 + str(n) for n in range(5))
-UNITS = "/etc/systemd/system/"
+PLANNED, UNIT_NAMES, MOUNTED, PULLED, LOADED, SLURM = ("a" * 63 + str(n) for n in range(6))
+UNITS = "/etc/systemd/system"
 PROC = "/proc/"
+# What stays whatever the plan says: what a unit file names or a process has mounted, and what is no image.
+KEPT = sorted([PLANNED, UNIT_NAMES, MOUNTED, SLURM, "not-an-image"])
 # Docker's answers: `docker image inspect --format {{.Id}} sha256:<hex>` finds the loaded image, `docker image ls
 # --digests` lists the pulled one by its registry digest; every call is logged.
 FAKE_DOCKER = f"""#!/bin/bash
@@ -38,16 +40,17 @@ def removal_script(tmp_path: Path, planned: list[str]) -> str:
         _torchrun_images=[job_image({"name": "main", "image": f"team/train@sha256:{hex_}"}) for hex_ in planned],
     )
     assert UNITS in script and PROC in script
-    return script.replace(UNITS, f"{tmp_path}/units/").replace(PROC, f"{tmp_path}/proc/")
+    return script.replace(UNITS, f"{tmp_path}/units").replace(PROC, f"{tmp_path}/proc/")
 
 
 @pytest.fixture
 def node(tmp_path) -> Path:
-    """Five unpacked images: one this run plans, one a (stopped) unit file names, one a running unit has mounted
-    (its file already names another: restart pending), one pulled and one loaded that nothing names. Plus a
-    directory that is no image's and a link out of an image to a file of the host."""
+    """Six unpacked images: one this run plans, one a (stopped) unit file names, one a running unit has mounted
+    (its file already names another: restart pending), one role slurm's mount unit names (not mounted now), one
+    pulled and one loaded that nothing names. Plus a directory that is no image's and a link out of an image to a
+    file of the host."""
     images = tmp_path / "images"
-    for hex_ in (PLANNED, UNIT_NAMES, MOUNTED, PULLED, LOADED):
+    for hex_ in (PLANNED, UNIT_NAMES, MOUNTED, SLURM, PULLED, LOADED):
         (images / hex_ / "rootfs/etc").mkdir(parents=True)
         (images / hex_ / "env").write_text("PATH=/usr/bin\n")
     (images / "not-an-image").mkdir()
@@ -58,6 +61,7 @@ def node(tmp_path) -> Path:
         f"[Service]\nEnvironmentFile={images}/{UNIT_NAMES}/env\nRootDirectory={images}/{UNIT_NAMES}/rootfs\n"
     )
     (tmp_path / "units/budgetgpu-job-main.service").write_text(f"[Service]\nRootDirectory={images}/{PLANNED}/rootfs\n")
+    (tmp_path / "units/opt-budgetgpu-slurm-images-x.mount").write_text(f"[Mount]\nWhat={images}/{SLURM}/rootfs\n")
     (tmp_path / "proc/1").mkdir(parents=True)
     (tmp_path / "proc/1/mountinfo").write_text("25 1 0:23 / / rw,relatime - overlay overlay rw\n")
     (tmp_path / "proc/4242").mkdir()
@@ -92,7 +96,7 @@ def test_the_role_looks_where_the_plan_unpacks():
 def test_an_image_nothing_names_goes_whole_with_dockers_copy(node):
     out = run(node, removal_script(node, [PLANNED]))
     images = node / "images"
-    assert sorted(p.name for p in images.iterdir()) == sorted([PLANNED, UNIT_NAMES, MOUNTED, "not-an-image"])
+    assert sorted(p.name for p in images.iterdir()) == KEPT
     # rm -rf removed the link, not the host's file it pointed at.
     assert (node / "host-file").read_text() == "the host's\n"
     calls = (node / "bin/calls").read_text().splitlines()
@@ -112,7 +116,7 @@ def test_an_image_nothing_names_goes_whole_with_dockers_copy(node):
 def test_an_image_a_running_unit_or_a_unit_file_names_stays_when_the_plan_drops_it(node):
     # The last image job removed: this run plans no image; the pending unit's file still names PLANNED.
     run(node, removal_script(node, []))
-    assert sorted(p.name for p in (node / "images").iterdir()) == sorted([PLANNED, UNIT_NAMES, MOUNTED, "not-an-image"])
+    assert sorted(p.name for p in (node / "images").iterdir()) == KEPT
 
 
 def test_a_node_without_images_runs_nothing(tmp_path):
