@@ -167,7 +167,7 @@ def test_torchrun_sbatch_runs_the_image_with_bwrap_as_the_user_with_the_steps_gp
     script, env = fake_node(tmp_path, rendered)
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    node, _, line = done.stdout.strip().partition(": ")
+    node, line = done.stdout.strip().split(": ", 1)
     words = line.split()
     # bwrap itself, as whoever runs the step (no sudo, no setuid helper), the image read-only as its root.
     assert node == "node1" and words[:2] == ["bwrap", "--die-with-parent"]
