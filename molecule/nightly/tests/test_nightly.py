@@ -3,8 +3,9 @@
 In order: the no-change run (0 changed, and its time against the first provisioning run's); drift
 made by hand while the job trains (restored, reported, the job's PID unchanged, the disruptive part
 pending); a job unit between two restarts counts as a running job; the pending part applied once no
-job runs; overlapping runs; a node that is down a day later (the fact cache aged past its timeout);
-a run limited to one node as ansible-pull makes it (reprovision_mode: pull).
+job runs; overlapping runs; a run limited to one node as ansible-pull makes it (reprovision_mode:
+pull); last, a node that is down a day later (the fact cache aged past its timeout): no test after
+it waits for the node to boot again.
 """
 
 from __future__ import annotations
@@ -339,44 +340,13 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lock(pending_run):
     assert pending_run["rc"] == 10, pending_run["summary"]
 
 
-def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovisioned():
-    """Issue 12 item 4: a node down at night, with the fact cache older than fact_caching_timeout
-    (nightly runs are 24 h apart): the healthy node is reprovisioned, its job left alone, the down
-    node reported and still admitted by the healthy node's firewall for when it comes back."""
-    wait_for_job(NODES[0])
-    down_address = cluster_address(NODES[1])
-    assert down_address in member_addresses(NODES[0])
-    # Killed: where `docker stop` ends after its 10 s (systemd, PID 1, takes SIGTERM as "re-execute").
-    subprocess.run(["docker", "kill", NODES[1]], check=True, capture_output=True, timeout=120)
-    try:
-        job_pid = main_pid(NODES[0], JOB_UNIT)
-        on(NODES[0], f"rm {NCCL_ENV}")
-        aged = age_fact_cache(25)
-        assert all(any(name.endswith(node) for name in aged) for node in NODES), aged
-        rc, report, summary, _unused = nightly()
-        log = (LOGS / "latest" / "ansible.log").read_text()
-        assert rc == 20, summary
-        # Over SSH a stopped node is unreachable; through the docker connection of these tests
-        # its first module fails instead. Either way it is named in the report.
-        assert report["hosts"][NODES[1]]["unreachable"] or report["hosts"][NODES[1]]["failed"], summary
-        assert f"{NODES[1]}: " in summary
-        assert not report["hosts"][NODES[0]]["failed"], summary
-        assert "nccl_network" in roles_changed(report, NODES[0]), summary
-        assert on(NODES[0], f"test -s {NCCL_ENV} && echo yes") == "yes"
-        assert main_pid(NODES[0], JOB_UNIT) == job_pid, "the healthy node's job was restarted"
-        assert down_address in member_addresses(NODES[0]), "the firewall dropped the member that is down"
-        assert f"{NODES[1]}: down or failed earlier in this run" in log, log[-3000:]
-    finally:
-        subprocess.run(["docker", "start", NODES[1]], check=False, capture_output=True, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def pull_runs(tmp_path_factory):
     """Issue 12 item 4, reprovision_mode pull: each node runs site.yml --limit itself with a fact
     cache that holds only itself (ansible-pull on the node), the nodes at once, as their own cron
     entries start them: each run with its own log directory and lock."""
     for node in NODES:
-        wait_for_job(node, 300)
+        wait_for_job(node)
     pids = {node: main_pid(node, JOB_UNIT) for node in NODES}
     for node in NODES:
         on(node, f"rm {NCCL_ENV}")
@@ -429,3 +399,34 @@ def test_a_pull_run_keeps_the_masters_address_in_the_job_unit_of_another_node(pu
     run = pull_runs["runs"][NODES[1]]
     assert f'"--rdzv-endpoint={cluster_address(NODES[0])}:29500"' in run["exec_start"], run["summary"]
     assert "torchrun" not in roles_changed(run["report"], NODES[1]), run["summary"]
+
+
+def test_a_node_that_is_down_a_day_later_is_reported_and_the_others_are_reprovisioned():
+    """Issue 12 item 4: a node down at night, with the fact cache older than fact_caching_timeout
+    (nightly runs are 24 h apart): the healthy node is reprovisioned, its job left alone, the down
+    node reported and still admitted by the healthy node's firewall for when it comes back."""
+    wait_for_job(NODES[0])
+    down_address = cluster_address(NODES[1])
+    assert down_address in member_addresses(NODES[0])
+    # Killed: where `docker stop` ends after its 10 s (systemd, PID 1, takes SIGTERM as "re-execute").
+    subprocess.run(["docker", "kill", NODES[1]], check=True, capture_output=True, timeout=120)
+    try:
+        job_pid = main_pid(NODES[0], JOB_UNIT)
+        on(NODES[0], f"rm {NCCL_ENV}")
+        aged = age_fact_cache(25)
+        assert all(any(name.endswith(node) for name in aged) for node in NODES), aged
+        rc, report, summary, _unused = nightly()
+        log = (LOGS / "latest" / "ansible.log").read_text()
+        assert rc == 20, summary
+        # Over SSH a stopped node is unreachable; through the docker connection of these tests
+        # its first module fails instead. Either way it is named in the report.
+        assert report["hosts"][NODES[1]]["unreachable"] or report["hosts"][NODES[1]]["failed"], summary
+        assert f"{NODES[1]}: " in summary
+        assert not report["hosts"][NODES[0]]["failed"], summary
+        assert "nccl_network" in roles_changed(report, NODES[0]), summary
+        assert on(NODES[0], f"test -s {NCCL_ENV} && echo yes") == "yes"
+        assert main_pid(NODES[0], JOB_UNIT) == job_pid, "the healthy node's job was restarted"
+        assert down_address in member_addresses(NODES[0]), "the firewall dropped the member that is down"
+        assert f"{NODES[1]}: down or failed earlier in this run" in log, log[-3000:]
+    finally:
+        subprocess.run(["docker", "start", NODES[1]], check=False, capture_output=True, timeout=120)
