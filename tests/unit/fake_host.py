@@ -80,14 +80,22 @@ def local_inventory(tmp_path: Path, host_vars: dict[str, dict]) -> Path:
     return inventory
 
 
-def run_batch(tmp_path: Path, playbook: str, host_vars: dict[str, dict], *, options: tuple[str, ...] = ()) -> dict:
+def run_batch(
+    tmp_path: Path,
+    playbook: str,
+    host_vars: dict[str, dict],
+    *,
+    options: tuple[str, ...] = (),
+    extra_vars: dict | None = None,
+) -> dict:
     """One ansible-playbook run of PLAYBOOK on several fake local hosts, each with its own variables
-    (inventory host vars): one run for many cases instead of one each (a run costs about 3 s of
-    start-up). Returns the json callback's report: {"plays": [{"tasks": [{"task", "hosts"}]}], "stats"}."""
+    (inventory host vars; extra_vars, for every host, win over them and over NO_NODE_VENV_INSTALL): one
+    run for many cases instead of one each (a run costs about 3 s of start-up). Returns the json
+    callback's report: {"plays": [{"tasks": [{"task", "hosts"}]}], "stats"}."""
     result = run_playbook(
         tmp_path,
         playbook,
-        {},
+        extra_vars or {},
         inventory=local_inventory(tmp_path, host_vars),
         options=options,
         # Many cases in one run: more time than one case's 120 s on a loaded machine.
