@@ -245,7 +245,7 @@ def test_the_heads_wait_passes_once_each_rpc_server_answers_and_fails_naming_a_n
 
 
 def test_a_head_failed_at_its_start_limit_is_a_unit_the_failed_unit_alert_watches():
-    # The head left failed (start-limit-hit: systemd's ActiveState failed) is node exporter's
+    # The head left failed at its start limit (systemd's ActiveState failed) is node exporter's
     # node_systemd_unit_state{name=<head>, state="failed"} 1, which BudgetgpuUnitFailed selects (its promtool test:
     # tests/prometheus/rules_test.yml). molecule/inference (no node exporter) sees BudgetgpuInferenceWorkerDown.
     unit = HEAD_PLAN["workers"][0]["unit"]
