@@ -1,13 +1,15 @@
-"""A slurm_jobs entry with an image (issue 44): pinned by digest (a tag alone refused before anything changes),
+"""role slurm's batch jobs as the nodes get them: the batch script of a slurm_jobs entry (rendered by Ansible from
+the role's templates, with its environment file, one run for every test here) hands torchrun.sbatch the job's
+settings; an entry with an image (issue 44) is pinned by digest (a tag alone refused before anything changes),
 named by its digest in everything root and the batch script do, and run by torchrun.sbatch with bubblewrap as
-the job's user, with the step's GPUs only, the image's environment under the job's own and NCCL's. The batch
-script and the image's mount unit are rendered by Ansible from the role's templates; torchrun.sbatch runs in
-bash with srun, scontrol and mountpoint stood in for (its dry run prints each node's command)."""
+the job's user, with the step's GPUs only, the image's environment under the job's own and NCCL's. torchrun.sbatch
+runs in bash with srun, scontrol and mountpoint stood in for (its dry run prints each node's command)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,10 @@ from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, out
 
 HEX = "4f" * 32
 TAGGED = f"registry.lan:5000/team/train:v1@sha256:{HEX}"
-NODES = [{"host": "node1", "name": "node1", "gpus": [{"index": i, "type": "rtx3090"} for i in range(4)]}]
+NODES = [
+    {"host": name, "name": name, "gpus": [{"index": i, "type": "rtx3090"} for i in range(4)]}
+    for name in ("node1", "node2")
+]
 JOB = {
     "name": "pretrain",
     "script": "train.py",
@@ -30,7 +35,7 @@ JOB = {
 
 
 def plan(job: dict) -> dict:
-    return batch_jobs([job], NODES, {"node1": {}}, "head")[0]
+    return batch_jobs([job], NODES, {"node1": {}, "node2": {}}, "head")[0]
 
 
 def test_an_image_named_by_a_tag_alone_is_refused_and_a_pinned_one_is_planned_by_its_digest():
@@ -48,8 +53,12 @@ def test_an_image_named_by_a_tag_alone_is_refused_and_a_pinned_one_is_planned_by
     assert plan({**JOB, "image": None})["image_plan"] is None
 
 
+# A venv job whose arguments and environment hold what a shell would take as code.
+VENV_JOB = {"name": "q", "script": "/srv/my train.py", "args": ["--lr", "1e-3; rm -rf /"], "nodes": 2,
+            "environment": {"NOTE": "it's $HOME"}, "group": "ml-team"}  # fmt: skip
+
 RENDER = """\
-- name: Render an image job's batch script and its image's mount unit as role slurm does
+- name: Render the batch jobs' scripts and environments, and the image's mount unit, as role slurm does
   hosts: all
   gather_facts: false
   vars:
@@ -59,34 +68,62 @@ RENDER = """\
     _slurm_images_dir: "{{ test_out }}/images"
     _slurm_image_workdir: /budgetgpu/work
   tasks:
-    - name: Render the job's script and environment
+    - name: Render each job's script
       ansible.builtin.template:
-        src: "{{ test_repo }}/roles/slurm/templates/{{ item }}"
-        dest: "{{ test_out }}/{{ item }}"
+        src: "{{ test_repo }}/roles/slurm/templates/slurm-job.sbatch.j2"
+        dest: "{{ test_out }}/{{ job.name }}.sbatch"
         mode: "0644"
-      loop: [slurm-job.sbatch.j2, slurm-job-environment.j2]
-      vars:
-        job: "{{ test_job }}"
+      loop: "{{ test_jobs }}"
+      loop_control:
+        loop_var: job
+    - name: Render each job's environment, where its script looks
+      ansible.builtin.template:
+        src: "{{ test_repo }}/roles/slurm/templates/slurm-job-environment.j2"
+        dest: "{{ test_out }}/{{ job.name }}.env"
+        mode: "0644"
+      loop: "{{ test_jobs }}"
+      loop_control:
+        loop_var: job
     - name: Render the image's mount unit
       ansible.builtin.template:
         src: "{{ test_repo }}/roles/slurm/templates/slurm-image.mount.j2"
         dest: "{{ test_out }}/image.mount"
         mode: "0644"
       vars:
-        image: "{{ test_job.image_plan }}"
+        image: "{{ test_jobs[0].image_plan }}"
 """
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> Path:
-    """The directory of the rendered batch script (pretrain.sbatch), its environment (pretrain.env) and the
-    image's mount unit (image.mount)."""
+    """The directory of the rendered batch scripts (<job>.sbatch), their environments (<job>.env) and the image's
+    mount unit (image.mount), for JOB and VENV_JOB as batch_jobs plans them (role slurm's plan)."""
     out = tmp_path_factory.mktemp("rendered")
-    result = run_playbook(out, RENDER, {"test_repo": str(REPO), "test_out": str(out), "test_job": plan(JOB)})
+    variables = {"test_repo": str(REPO), "test_out": str(out), "test_jobs": [plan(JOB), plan(VENV_JOB)]}
+    result = run_playbook(out, RENDER, variables)
     assert result.returncode == 0, output_of(result)
-    (out / "slurm-job-environment.j2").rename(out / "pretrain.env")
-    (out / "slurm-job.sbatch.j2").rename(out / "pretrain.sbatch")
     return out
+
+
+def test_the_batch_script_carries_torchrun_sbatchs_options_and_hands_it_the_environment(tmp_path, rendered):
+    text = (rendered / "q.sbatch").read_text()
+    # The entry's environment is in the file only its group reads, not in the script every user reads.
+    assert "it's" not in text and "NOTE" not in text
+    assert "NOTE='it'\"'\"'s $HOME'" in (rendered / "q.env").read_text()
+    # torchrun.sbatch's own lines, then the job's; sbatch reads them up to the first command.
+    assert [line for line in text.splitlines() if line.startswith("#SBATCH")] == [
+        "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+        "#SBATCH --job-name=q", "#SBATCH --nodes=2", "#SBATCH --gres=gpu:1",
+    ]  # fmt: skip
+    assert text.index("#SBATCH --gres") < text.index("set -euo pipefail")
+    # bash runs it up to the exec: torchrun.sbatch stands in as a script that prints what it was given.
+    fake = tmp_path / "torchrun.sbatch"
+    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" "$BUDGETGPU_ACCUMULATE_STEPS" "$NOTE"\n')
+    fake.chmod(0o755)
+    script = tmp_path / "q.sbatch"
+    script.write_text(text.replace("exec /opt/s/torchrun.sbatch", f"exec {fake}"))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["/srv/my train.py", "--lr", "1e-3; rm -rf /", "1", "it's $HOME"]
 
 
 def test_the_batch_script_and_the_mount_name_the_image_by_its_digest_and_never_its_tag(rendered):
@@ -200,3 +237,46 @@ def test_torchrun_sbatch_refuses_an_image_missing_on_the_node_and_checkpoints_ou
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, check=False, cwd=tmp_path)
     assert done.returncode == 1
     assert f"node1: image registry.lan:5000/team/train@sha256:{HEX} is not on this node" in done.stderr
+
+
+def make_mount_points(rootfs: Path, packages: Path) -> subprocess.CompletedProcess[str]:
+    """The role's task "Make the mount points the batch script binds onto in each image" as root runs it (the
+    node venv's python, the node package as budgetgpu_node), on rootfs: it prints the mount points it made."""
+    task = next(
+        task
+        for task in yaml.safe_load((REPO / "roles/slurm/tasks/images.yml").read_text())
+        if task["name"] == "Make the mount points the batch script binds onto in each image"
+    )
+    code = task["ansible.builtin.command"]["argv"][3]
+    points = ["/usr/local/nvidia/lib64", "/opt/budgetgpu/node/packages", "/var/lib/ckpt", "/budgetgpu/work"]
+    return subprocess.run(
+        [sys.executable, "-c", code, str(rootfs), *points],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(packages)},
+    )
+
+
+def test_root_makes_the_mount_points_in_the_image_once_and_follows_no_link_of_the_image(tmp_path):
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    (packages / "budgetgpu_node").symlink_to(REPO / "plugins" / "module_utils")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "usr").mkdir(parents=True)
+    made = make_mount_points(rootfs, packages)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.split() == ["/usr/local/nvidia/lib64", "/opt/budgetgpu/node/packages", "/var/lib/ckpt",
+                                   "/budgetgpu/work"]  # fmt: skip
+    assert (rootfs / "budgetgpu" / "work").is_dir()
+    # Made once: the next run makes nothing (the task reports no change).
+    assert make_mount_points(rootfs, packages).stdout == ""
+    # An image whose /usr/local is a link out of it: refused, and nothing made where the link points.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = tmp_path / "linked"
+    (linked / "usr").mkdir(parents=True)
+    (linked / "usr" / "local").symlink_to(outside)
+    refused = make_mount_points(linked, packages)
+    assert refused.returncode != 0 and "a link is refused" in refused.stderr
+    assert list(outside.iterdir()) == []

@@ -1,11 +1,8 @@
 """slurm_batch: the training jobs of slurm_jobs checked against the Slurm nodes' GPUs by the job model's
-rules, and given their #SBATCH options, environment and arguments; the batch script rendered from them
-runs torchrun.sbatch with that environment (bash reads it back)."""
+rules, and given their #SBATCH options, environment and arguments (the batch script rendered from them:
+tests/unit/roles/test_slurm_image_jobs.py, which renders every template of the batch jobs in one run)."""
 
 from __future__ import annotations
-
-import subprocess
-from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
@@ -14,7 +11,6 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     torchrun_job_normalize,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm_batch import batch_jobs
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
 
 
 def node(name: str, *types: str) -> dict:
@@ -109,59 +105,3 @@ def test_every_bad_job_is_named_and_two_of_one_name_are_refused():
     assert "head: slurm_jobs[a b].name: found 'a b'" in said
     assert "head: slurm_jobs: found two jobs named x, expected one" in said
     assert "found dict" in refusal({"name": "x"})  # type: ignore[arg-type]
-
-
-RENDER = """\
-- name: Render a batch script and its environment as role slurm does
-  hosts: all
-  gather_facts: false
-  tasks:
-    - name: Render the job's script and environment
-      ansible.builtin.template:
-        src: "{{ test_repo }}/roles/slurm/templates/{{ item }}"
-        dest: "{{ test_out }}/{{ item }}"
-        mode: "0644"
-      loop: [slurm-job.sbatch.j2, slurm-job-environment.j2]
-      vars:
-        role_path: "{{ test_repo }}/roles/slurm"
-        _slurm_home: /opt/s
-        _slurm_jobs_dir: "{{ test_out }}"
-        job: "{{ test_job }}"
-"""
-
-
-def render(tmp_path: Path, job: dict) -> str:
-    """The role's templates as Ansible renders them, for the job as batch_jobs gives it (role slurm's plan): the
-    script's text (the environment file lies beside it as <job>.env, where the script looks)."""
-    variables = {
-        "test_repo": str(REPO),
-        "test_out": str(tmp_path),
-        "test_job": batch_jobs([job], NODES, {}, "node7")[0],
-    }
-    result = run_playbook(tmp_path, RENDER, variables)
-    assert result.returncode == 0, output_of(result)
-    (tmp_path / "slurm-job-environment.j2").rename(tmp_path / f"{job['name']}.env")
-    return (tmp_path / "slurm-job.sbatch.j2").read_text()
-
-
-def test_the_batch_script_carries_torchrun_sbatchs_options_and_hands_it_the_environment(tmp_path):
-    job = {"name": "q", "script": "/srv/my train.py", "args": ["--lr", "1e-3; rm -rf /"], "nodes": 2,
-           "environment": {"NOTE": "it's $HOME"}, "group": "ml-team"}  # fmt: skip
-    text = render(tmp_path, job)
-    # The entry's environment is in the file only its group reads, not in the script every user reads.
-    assert "it's" not in text and "NOTE" not in text
-    assert "NOTE='it'\"'\"'s $HOME'" in (tmp_path / "q.env").read_text()
-    # torchrun.sbatch's own lines, then the job's; sbatch reads them up to the first command.
-    assert [line for line in text.splitlines() if line.startswith("#SBATCH")] == [
-        "#SBATCH --ntasks-per-node=1", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-        "#SBATCH --job-name=q", "#SBATCH --nodes=2", "#SBATCH --gres=gpu:1",
-    ]  # fmt: skip
-    assert text.index("#SBATCH --gres") < text.index("set -euo pipefail")
-    # bash runs it up to the exec: torchrun.sbatch stands in as a script that prints what it was given.
-    fake = tmp_path / "torchrun.sbatch"
-    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" "$BUDGETGPU_ACCUMULATE_STEPS" "$NOTE"\n')
-    fake.chmod(0o755)
-    script = tmp_path / "q.sbatch"
-    script.write_text(text.replace("exec /opt/s/torchrun.sbatch", f"exec {fake}"))
-    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["/srv/my train.py", "--lr", "1e-3; rm -rf /", "1", "it's $HOME"]
