@@ -66,6 +66,7 @@ import dataclasses
 import math
 import signal
 import time
+import traceback
 from functools import partial
 from typing import Any
 
@@ -373,4 +374,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    try:
+        code = main()
+    except Exception:  # noqa: BLE001 - every failure ends the rank the same way, below
+        # A rank whose step fails (a peer's death breaks its collective) must end now. At the interpreter's
+        # exit, multiprocessing would terminate() the loader workers the traceback still holds, which ignore
+        # SIGTERM (_quiet_worker), and join() them until torchrun's SIGKILL 30 s later, on each node in turn.
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
