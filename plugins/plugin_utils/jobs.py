@@ -80,6 +80,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "port": 29500,
     "rendezvous": "c10d",
     "rendezvous_timeout": 900,
+    # Seconds an operation on the c10d store may take (torch's read_timeout): a torchrun start that finds
+    # no store fails after it; the launcher's wait for the master reports once per this.
+    "rendezvous_read_timeout": 60,
     "node_ranks": {},
     "max_restarts": 3,
     "checkpoint_dir": None,  # <workdir>/checkpoints
@@ -142,6 +145,7 @@ _INT_KEYS = (
     "port",
     "max_restarts",
     "rendezvous_timeout",
+    "rendezvous_read_timeout",
     "checkpoint_every_steps",
     "straggler_every_steps",
     "powersgd_rank",
@@ -367,7 +371,9 @@ def torchrun_argv(
             # is_host: the master hosts the c10d store because the inventory says so. Left to
             # itself torch decides by resolving its hostname, and on a stock install (hostname on
             # 127.0.1.1, the cluster address not in /etc/hosts) no node would host it.
-            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)},is_host={int(is_master)}",
+            f"--rdzv-conf=join_timeout={int(job.get('rendezvous_timeout') or 900)},"
+            f"read_timeout={int(job.get('rendezvous_read_timeout') or JOB_DEFAULTS['rendezvous_read_timeout'])},"
+            f"is_host={int(is_master)}",
         ]
     if node.get("cluster_address"):
         # Workers find rank 0 by the address its agent advertises: the cluster one, not the hostname.

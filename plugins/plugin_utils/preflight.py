@@ -146,9 +146,10 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
     if job.get("rendezvous") not in RENDEZVOUS:
         hint = "c10d: elastic rendezvous on the master; static: fixed node ranks as in the guide"
         yield "rendezvous", job.get("rendezvous"), f"one of {', '.join(RENDEZVOUS)}", hint
-    timeout = job.get("rendezvous_timeout")
-    if not _is_int(timeout) or timeout < 1:
-        yield "rendezvous_timeout", timeout, "seconds, 1 or more", ""
+    for key in ("rendezvous_timeout", "rendezvous_read_timeout"):
+        timeout = job.get(key)
+        if not _is_int(timeout) or timeout < 1:
+            yield key, timeout, "seconds, 1 or more", ""
     restarts = job.get("max_restarts")
     if not _is_int(restarts) or restarts < 0:
         yield "max_restarts", restarts, "a number of 0 or more", ""

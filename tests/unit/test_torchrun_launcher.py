@@ -77,3 +77,18 @@ def test_a_stop_while_waiting_exits_143_without_a_traceback():
     assert proc.returncode == 143, out
     assert "stopped by signal 15 while waiting for the master" in out
     assert "Traceback" not in out
+
+
+def test_the_wait_reports_once_per_store_timeout_of_the_jobs_rendezvous(launcher):
+    conf = "--rdzv-conf=join_timeout=900,read_timeout=1,is_host=0"
+    assert launcher.store_timeout(["--nproc-per-node=1", conf, "x.py"]) == 1.0
+    assert launcher.store_timeout(["--nproc-per-node=1", "--master-port=29500", "x.py"]) == 60.0  # torch's default
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), f"--wait-for-master=127.0.0.1:{closed_port()}", "--nproc-per-node=1", conf,
+         "x.py"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0]
+    assert "still waiting for the master's rendezvous" in out, out

@@ -399,7 +399,7 @@ def test_c10d_plan_runs_torchrun_with_the_rendezvous_on_the_master():
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=node1:29500",
         "--rdzv-id=pretrain",
-        "--rdzv-conf=join_timeout=900,is_host=0",
+        "--rdzv-conf=join_timeout=900,read_timeout=60,is_host=0",
         "--max-restarts=3",
         "/srv/train.py",
         "--lr",
@@ -419,12 +419,12 @@ def test_the_master_hosts_the_store_because_the_inventory_says_so():
         }
         confs = {h: [a for a in p["argv"] if a.startswith("--rdzv-conf=")] for h, p in plans.items()}
         assert confs == {
-            "node1": ["--rdzv-conf=join_timeout=900,is_host=1"],
-            "node2": ["--rdzv-conf=join_timeout=900,is_host=0"],
+            "node1": ["--rdzv-conf=join_timeout=900,read_timeout=60,is_host=1"],
+            "node2": ["--rdzv-conf=join_timeout=900,read_timeout=60,is_host=0"],
         }
     assert "--rdzv-endpoint=gpu-master.lan:29500" in plans["node2"]["argv"]
     (named,) = torchrun_plan(jobs({"master": "node2"}), "node2", GROUPS, make_nodes())
-    assert "--rdzv-conf=join_timeout=900,is_host=1" in named["argv"]
+    assert "--rdzv-conf=join_timeout=900,read_timeout=60,is_host=1" in named["argv"]
 
 
 def test_an_ipv6_rendezvous_endpoint_is_bracketed():
