@@ -27,7 +27,7 @@ CKPT_DIR = "/var/lib/budgetgpu/jobs/e2e/checkpoints"
 CKPT_EVERY = 20  # checkpoint_every_steps in molecule.yml
 LOG_EVERY = 5
 # torchrun's store timeout: each start of the old units that found no master failed after it.
-STORE_TIMEOUT_S = 60
+STORE_TIMEOUT_S = 15  # the e2e job's rendezvous_read_timeout (molecule.yml)
 JOB_DIR = "/var/lib/budgetgpu/jobs/e2e"
 RECORDS = "/var/lib/budgetgpu/job-records/e2e"
 # An Exec line that runs as root ("+", "!" or "!!" among its prefixes).
@@ -447,8 +447,8 @@ def test_the_rebooted_node_has_its_gpu_device_files_made_with_the_drivers_option
 @pytest.fixture(scope="module")
 def master_outage() -> dict:
     """The master (node1) stopped until test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit
-    starts it again, node2's launcher waiting for it: a minute and more in which no rank runs on either node, which
-    the tests of links the job's user plants use.
+    starts it again, node2's launcher waiting for it: a store timeout or more (as long as the next two tests' runs
+    take) in which no rank runs on either node, which the tests of links the job's user plants use.
     Returns what that test needs: the journals' lengths before, node2's restart count and its waiting launcher."""
     before = {node: len(journal(node)) for node in NODES}
     # The starts of the tests before count against the limit too: begin with a clean count.
@@ -469,7 +469,7 @@ def master_outage() -> dict:
 def test_root_reads_no_status_file_the_job_user_linked():
     """The job's user links its status.json to a root-only file on node1 and to /dev/zero on node2 before
     job_state=status (root read the file into the operator's run; /dev/zero grew it by gigabytes). In the
-    master's outage: no rank writes a status.json over the links meanwhile. (The outage's minute hosts this test
+    master's outage: no rank writes a status.json over the links meanwhile. (The outage hosts this test
     and the next, each a train.yml run.)"""
     sh("cluster-node1", "umask 077 && echo BUDGETGPU-ROOT-ONLY > /root/budgetgpu-secret")
     targets = {"cluster-node1": "/root/budgetgpu-secret", "cluster-node2": "/dev/zero"}
@@ -510,10 +510,10 @@ def test_root_follows_no_link_the_job_user_planted():
 
 def test_the_other_node_waits_out_a_master_outage_longer_than_the_start_limit(master_outage):
     """Two failed starts in 10 minutes (molecule.yml) would leave node2's unit failed for good: each
-    torchrun start that finds no store fails after 60 s. node2 waits for the master instead (master_outage
-    stopped it): its launcher says so, and is still waiting, in the same start, once a whole store timeout has
-    passed (it reports every 60 s), where the old units had spent a start. No fixed outage: the waits end on
-    those lines."""
+    torchrun start that finds no store fails after a store timeout (the job's rendezvous_read_timeout). node2 waits
+    for the master instead (master_outage stopped it): its launcher says so, and is still waiting, in the same start,
+    once a whole store timeout has passed (it reports once per store timeout), where the old units had spent a start.
+    No fixed outage: the waits end on those lines."""
     before, restarts, started = master_outage["before"], master_outage["restarts"], master_outage["started"]
 
     def node2_says(text: str) -> list[str]:
