@@ -92,6 +92,16 @@ print(json.dumps({{"tokens": done.usage.completion_tokens, "text": done.choices[
     assert got["tokens"] == 8 and got["text"] and got["pieces"] >= 2, got
 
 
+def assert_served_then_503s_then_served(seen: list[dict]) -> None:
+    """The answers of a run of requests across an outage: served; then 503s, each with Retry-After, and no 502 or
+    broken answer; then served again."""
+    statuses = [answer["status"] for answer in seen]
+    assert statuses[0] == 200 and 503 in statuses, seen
+    assert set(statuses) == {200, 503}, [answer for answer in seen if answer["status"] not in (200, 503)][:3]
+    assert all(answer["retry_after"] for answer in seen if answer["status"] == 503), seen
+    assert statuses[-5:] == [200] * 5, seen
+
+
 def test_a_killed_rpc_server_costs_a_restart_with_503s_and_retry_after_never_a_502(addresses, gateway) -> None:
     head, rpc = main_pid(GATEWAY, HEAD), main_pid(OTHER, RPC)
     run = subprocess.Popen(
@@ -106,12 +116,7 @@ def test_a_killed_rpc_server_costs_a_restart_with_503s_and_retry_after_never_a_5
     out, err = run.communicate(timeout=150)
     assert run.returncode == 0, err[-2000:]
     seen = json.loads(out)
-    statuses = [answer["status"] for answer in seen]
-    # Served before the kill; then 503s, each with Retry-After, and no 502 or broken answer; then served again.
-    assert statuses[0] == 200 and 503 in statuses, seen
-    assert set(statuses) == {200, 503}, [answer for answer in seen if answer["status"] not in (200, 503)][:3]
-    assert all(answer["retry_after"] for answer in seen if answer["status"] == 503), seen
-    assert statuses[-5:] == [200] * 5, seen
+    assert_served_then_503s_then_served(seen)
     first_503 = next(answer["t"] for answer in seen if answer["status"] == 503)
     back = next(answer["t"] for answer in seen if answer["t"] > first_503 and answer["status"] == 200)
     print(f"span served again {back - first_503:.1f} s after its first 503 ({time.monotonic() - killed:.1f} s wall)")
@@ -231,10 +236,5 @@ def test_an_rpc_node_that_stays_down_fails_the_head_at_its_start_limit_and_the_r
     out, err = run.communicate(timeout=200)
     assert run.returncode == 0, err[-2000:]
     seen = json.loads(out)
-    statuses = [answer["status"] for answer in seen]
-    # Throughout: served, then only 503s with Retry-After (never a 502 or a broken answer), then served again.
-    assert statuses[0] == 200 and 503 in statuses, seen
-    assert set(statuses) == {200, 503}, [answer for answer in seen if answer["status"] not in (200, 503)][:3]
-    assert all(answer["retry_after"] for answer in seen if answer["status"] == 503), seen
-    assert statuses[-5:] == [200] * 5, seen
+    assert_served_then_503s_then_served(seen)
     assert unit_state(GATEWAY, HEAD)["ActiveState"] == "active"
