@@ -8,8 +8,11 @@ runs in bash with srun, scontrol and mountpoint stood in for (its dry run prints
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -280,3 +283,54 @@ def test_root_makes_the_mount_points_in_the_image_once_and_follows_no_link_of_th
     refused = make_mount_points(linked, packages)
     assert refused.returncode != 0 and "a link is refused" in refused.stderr
     assert list(outside.iterdir()) == []
+
+
+USERNS_PLAY = """\
+- name: The bubblewrap check of role slurm's image tasks
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Try bwrap as a job's user would
+      ansible.builtin.include_role:
+        name: budgetgpu.cluster.slurm
+        tasks_from: userns.yml
+    - name: A later step that must not run where bwrap failed
+      ansible.builtin.copy:
+        content: written
+        dest: "{{ marker }}"
+        mode: "0644"
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the check runs bwrap as nobody with setpriv")
+@pytest.mark.parametrize("works", [True, False])
+def test_a_node_where_a_user_cannot_run_bwrap_is_refused_with_its_kernel_settings(tmp_path, works):
+    """bwrap stood in by a script nobody may run (in a 0755 directory outside pytest's 0700 tmp_path) that says
+    who ran it, then fails as bwrap does where user namespaces are refused, or succeeds."""
+    fakes = Path(tempfile.mkdtemp(prefix="bwrap-"))
+    try:
+        fakes.chmod(0o755)
+        fake = fakes / "bwrap"
+        fake.write_text(
+            '#!/bin/sh\necho "bwrap: setting up uid map: Permission denied (uid $(id -u), HOME $HOME, args $*)" >&2\n'
+            f"exit {0 if works else 1}\n"
+        )
+        fake.chmod(0o755)
+        marker = tmp_path / "after"
+        result = run_playbook(tmp_path, USERNS_PLAY, {"_slurm_bwrap": str(fake), "marker": str(marker)})
+    finally:
+        shutil.rmtree(fakes)
+    out = output_of(result)
+    if works:
+        assert result.returncode == 0, out
+        assert marker.exists()
+        return
+    assert result.returncode != 0 and not marker.exists(), out
+    assert (
+        "node7: slurm_jobs has image jobs, which torchrun.sbatch runs with bubblewrap as the job's user, and bwrap "
+        "fails here for an unprivileged user (nobody, exit 1: bwrap: setting up uid map: Permission denied (uid "
+        "65534, HOME /nonexistent, args --ro-bind / / --dev /dev /bin/true))" in out
+    ), out
+    assert re.search(r"the kernel has user\.max_user_namespaces=\w+, kernel\.unprivileged_userns_clone=\w+, "
+                     r"kernel\.apparmor_restrict_unprivileged_userns=\w+: expected", out), out  # fmt: skip
+    assert "No image was brought to the node." in out
