@@ -16,6 +16,8 @@ import socket
 import struct
 from typing import Any
 
+# Where the kernel hands out ephemeral ports (a connection's source port, a bind to port 0): "LOW\tHIGH".
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 ARPHRD_INFINIBAND = 32
 ARPHRD_LOOPBACK = 772
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -35,6 +37,12 @@ def _int(text: str | None) -> int | None:
         return int(text) if text is not None else None
     except ValueError:
         return None
+
+
+def ephemeral_ports(path: str = EPHEMERAL_PORTS_FILE) -> list[int] | None:
+    """Return the kernel's ephemeral port range [low, high]; None where it cannot be read."""
+    words = (_read(path) or "").split()
+    return [int(word) for word in words] if len(words) == 2 and all(word.isdigit() for word in words) else None
 
 
 def parse_ip_addr_json(text: str) -> dict[str, list[dict[str, Any]]]:

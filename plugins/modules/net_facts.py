@@ -24,6 +24,7 @@ description:
     the subnet is a loopback network.
   - Addresses come from C(ip -j addr) run in the C locale; without iproute2, from the kernel
     directly (each interface's primary IPv4 address and its IPv6 addresses).
+  - Reads the kernel's ephemeral port range too (C(net.ipv4.ip_local_port_range)).
   - Returns C(ansible_facts.budgetgpu_net); never reports C(changed).
 author:
   - budgetgpu maintainers (!UNKNOWN)
@@ -221,6 +222,14 @@ ansible_facts:
                   type: str
                   returned: always
                   sample: infiniband
+        ephemeral_ports:
+          description: >-
+            The kernel's ephemeral port range [low, high] (net.ipv4.ip_local_port_range), where it hands out ports;
+            preflight refuses a job's store port inside it. Null when it cannot be read.
+          type: list
+          elements: int
+          returned: always
+          sample: [32768, 60999]
         cluster_subnet:
           description: The subnet that was asked for; null when none.
           type: str
@@ -291,6 +300,7 @@ import os
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
+    ephemeral_ports,
     parse_ip_addr_json,
     probe_net,
     read_addresses_fallback,
@@ -329,6 +339,7 @@ def main() -> None:
         except ValueError as exc:
             module.fail_json(msg=f"cluster_subnet '{subnet}' is not a network in CIDR form like 10.10.0.0/24: {exc}")
     facts = probe_net(module.params["sysfs_root"], read_addresses(module), subnet, module.params["interface_rule"])
+    facts["ephemeral_ports"] = ephemeral_ports()
     module.exit_json(changed=False, ansible_facts={"budgetgpu_net": facts})
 
 

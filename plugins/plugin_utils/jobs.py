@@ -16,6 +16,7 @@ A job (one item of ``torchrun_jobs``; roles/torchrun/meta/argument_specs.yml doc
     nproc_per_node: gpu                 # "gpu" (the node's GPU count) or a number
     master: node1                       # default: first host of the group
     port: 29500
+    store_port: 30500                   # the workers' store (MASTER_PORT) with c10d; default: port + 1000
     rendezvous: c10d                    # or static (--node-rank/--master-addr as in the guide)
     max_restarts: 3
     checkpoint_every_minutes: 15
@@ -63,6 +64,14 @@ STATE_PRECISIONS = ("fp32", "bf16")
 # bfloat16 needs Ampere (compute capability 8.0) and NCCL.
 BF16_MIN_CAPABILITY = (8, 0)
 UNIT_PREFIX = "budgetgpu-job-"
+# A job's store port by default: its port + 1000. Not + 1: jobs often take consecutive ports (29500, 29501), and one
+# job's store would then sit on the next job's rendezvous. 29500 + 1000 stays clear of Slurm's batch rendezvous ports
+# (29600-29999), of nccl_network's (29499, 29510) and, for any port below 31768, of the kernel's usual ephemeral range
+# (32768-60999), where the store could not count on its port at each restart (preflight refuses a store port there).
+STORE_PORT_OFFSET = 1000
+# The ports a job's units listen on (its agents' rendezvous store, its workers' store): the firewall closes them to
+# every local user but root and the node's job users, and no two jobs on a node may share one (preflight).
+PORT_KEYS = ("port", "store_port")
 
 # The built-in default of every optional key: the one place job defaults live (the torchrun role's
 # argument spec repeats them for ansible-doc; a unit test holds the two equal). torchrun_user and
@@ -78,6 +87,11 @@ JOB_DEFAULTS: dict[str, Any] = {
     "master": None,  # first host of nodes
     "master_addr": None,  # the master's address (nodes.node_address)
     "port": 29500,
+    # The port of the workers' own store (MASTER_PORT, on the node that is rank 0 of the rendezvous) with c10d:
+    # torch would take a free ephemeral port there, which the firewall leaves open to every local user; the launcher
+    # makes torch's agent announce this one (budgetgpu-torchrun --store-port), which the firewall closes. None: port
+    # + STORE_PORT_OFFSET (torchrun_job_normalize). A static rendezvous' workers use the store on port instead.
+    "store_port": None,
     "rendezvous": "c10d",
     "rendezvous_timeout": 900,
     # Seconds an operation on the c10d store may take (torch's read_timeout): a torchrun start that finds
@@ -143,6 +157,7 @@ TRAINING_SETTINGS = (
 TRAINING_KEYS = ("script", "module", "args", "venv", *TRAINING_SETTINGS, "environment")
 _INT_KEYS = (
     "port",
+    "store_port",
     "max_restarts",
     "rendezvous_timeout",
     "rendezvous_read_timeout",
@@ -208,6 +223,8 @@ def torchrun_job_normalize(
     merged.update({k: v for k, v in (defaults or {}).items() if v is not None})
     merged.update(job)
     coerce_numbers(merged)
+    if merged.get("store_port") is None and isinstance(merged.get("port"), int):
+        merged["store_port"] = merged["port"] + STORE_PORT_OFFSET
     name = str(merged.get("name") or "")
     if not merged.get("workdir"):
         merged["workdir"] = f"{STATE_ROOT}/{name}"
@@ -354,6 +371,9 @@ def torchrun_argv(
         # outage of the master is a wait, not a row of failed starts that ends in systemd's
         # start limit (the unit would stay failed when the master returns).
         argv.append(f"--wait-for-master={endpoint(addr, job['port'])}")
+    if launcher and not static:
+        # The workers' store on the port the firewall closes, not on a free port torch picks (JOB_DEFAULTS).
+        argv.append(f"--store-port={job['store_port']}")
     argv.append(f"--nproc-per-node={nproc}")
     if static:
         argv += [

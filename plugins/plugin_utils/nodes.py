@@ -122,6 +122,8 @@ def node_info(hostvars: Any, host: str) -> dict[str, Any]:
         or local_fact(hostvars, host, "budgetgpu_python_env"),
         "vcpus": setup.get("processor_nproc") or setup.get("processor_vcpus"),
         "cluster_address": cluster_address(hostvars, host),
+        # The kernel's ephemeral port range [low, high] (net_facts), None where the probe did not read it.
+        "ephemeral_ports": (fact(hostvars, host, "budgetgpu_net") or {}).get("ephemeral_ports"),
         "address": node_address(hostvars, host),
         "simulated": simulated(hostvars, host),
         "node_rank": host_var(hostvars, host, "torchrun_node_rank"),

@@ -14,9 +14,10 @@ Checks:
 - each job across its nodes: every node probed, ``nproc_per_node`` between 1 and the node's GPU
   count, node ranks unique and contiguous (master = rank 0 with static rendezvous), the master
   in the group, the script present on every node, one GPU model (unless ``allow_mixed_gpus``),
-  one driver major, one torch/CUDA/NCCL version in the venvs, the same job list on every node;
+  one driver major, one torch/CUDA/NCCL version in the venvs, the same job list on every node, the store port
+  outside each node's ephemeral range;
   fewer CPUs per process than ``min_cpus_per_process`` is a warning;
-- across jobs: no two jobs that share a node on one port;
+- across jobs: no two jobs that share a node on one port (their ports and store ports);
 - each node: PCIe links not below what the inventory expects (``probe_pcie_min_width``,
   ``probe_pcie_expected``), by the one PCIe rule of plugins/module_utils/pcie.py.
 """
@@ -39,6 +40,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     JOB_NAME,
     NCCL_ONLY_COMPRESSIONS,
     PARALLELISMS,
+    PORT_KEYS,
     PRECISIONS,
     RENDEZVOUS,
     SHARDED,
@@ -140,9 +142,11 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
     nproc = job.get("nproc_per_node")
     if nproc not in ("gpu", "auto") and (_int_or_none(nproc) is None or _int_or_none(nproc) < 1):
         yield "nproc_per_node", nproc, '"gpu" (the node\'s GPU count) or a number of 1 or more', ""
-    port = job.get("port")
-    if not _is_int(port) or not 1 <= port <= 65535:
-        yield "port", port, "a TCP port from 1 to 65535", ""
+    for key in PORT_KEYS:
+        if not _is_int(job.get(key)) or not 1 <= job[key] <= 65535:
+            yield key, job.get(key), "a TCP port from 1 to 65535", "" if key == "port" else "default: port + 1000"
+    if _is_int(job.get("port")) and job.get("store_port") == job["port"]:
+        yield "store_port", job["port"], "a port other than the job's port (the agents' store, not the workers')", ""
     if job.get("rendezvous") not in RENDEZVOUS:
         hint = "c10d: elastic rendezvous on the master; static: fixed node ranks as in the guide"
         yield "rendezvous", job.get("rendezvous"), f"one of {', '.join(RENDEZVOUS)}", hint
@@ -495,7 +499,21 @@ def _check_job_nodes(
     problems += process_problems + _check_ranks(job, groups, nodes) + _check_script(job, probed, nodes, options)
     problems += _check_gpu_models(job, probed, nodes, master) + _check_software(job, hosts, probed, nodes, master)
     problems += compression_backend_problems(job, probed, nodes) + sharding_problems(job, hosts, probed, nodes)
+    problems += _check_store_port(job, probed, nodes)
     return problems, warnings + process_warnings
+
+
+def _check_store_port(job: Mapping[str, Any], probed: list[str], nodes: Mapping[str, Any]) -> list[Problem]:
+    """A store port inside a node's ephemeral range: the kernel may hand it to any connection between two restarts,
+    and rank 0's worker binds it anew at each (the rendezvous port is bound once, by the agent)."""
+    port, problems = job.get("store_port"), []
+    for host in probed:
+        low, high = nodes[host].get("ephemeral_ports") or (0, -1)
+        if _is_int(port) and low <= port <= high:
+            expected = f"a port outside {host}'s ephemeral range {low}-{high} (net.ipv4.ip_local_port_range)"
+            hint = "the kernel hands those out to any connection; default: port + 1000"
+            problems.append(_problem(host, job.get("name"), "store_port", port, expected, hint))
+    return problems
 
 
 def _job_warnings(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> list[Problem]:
@@ -529,18 +547,19 @@ def _job_warnings(job: Mapping[str, Any], groups: Mapping[str, list[str]]) -> li
 
 
 def _check_ports(jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]]) -> list[Problem]:
+    """No two jobs that share a node on one port: a job's port or store port against another's port and store port."""
     problems = []
-    active = [j for j in jobs if j.get("state") != "absent" and _is_int(j.get("port"))]
+    active = [j for j in jobs if j.get("state") != "absent"]
     for i, job in enumerate(active):
         for other in active[:i]:
             shared = [h for h in job_hosts(job, groups) if h in job_hosts(other, groups)]
-            if job["port"] == other["port"] and shared:
-                expected = f"a port other than {other['port']}, which job {other.get('name')} uses on these nodes"
-                problems.append(
-                    _problem(
-                        ",".join(shared), job.get("name"), "port", job["port"], expected, "give every job its own port"
-                    )
-                )
+            clashes = [(key, other_key) for key in PORT_KEYS for other_key in PORT_KEYS
+                       if _is_int(job.get(key)) and job[key] == other.get(other_key)]  # fmt: skip
+            for key, other_key in clashes if shared else []:
+                expected = f"a port other than {job[key]}, which job {other.get('name')} uses on these nodes"
+                expected += "" if other_key == "port" else f" as its {other_key}"
+                hint = "give every job its own port" + ("" if key == other_key == "port" else " and store_port")
+                problems.append(_problem(",".join(shared), job.get("name"), key, job[key], expected, hint))
     names = Counter(str(j.get("name")) for j in jobs)
     for name, count in names.items():
         if count > 1:

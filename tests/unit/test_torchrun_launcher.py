@@ -1,9 +1,11 @@
 """The units' launcher (roles/torchrun/files/budgetgpu-torchrun): a node whose master is down waits
 for the master's store instead of failing start after start into systemd's start limit, and a
-stop while it waits is a clean stop (143)."""
+stop while it waits is a clean stop (143); the workers' store is on the job's store port, across in-place
+restarts, and a torch that cannot put it there holds the job."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -92,3 +94,47 @@ def test_the_wait_reports_once_per_store_timeout_of_the_jobs_rendezvous(launcher
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=30)[0]
     assert "still waiting for the master's rendezvous" in out, out
+
+
+# Each worker joins the group (rank 0's worker listens on MASTER_PORT: the workers' store) and says where the store
+# was; the first round's workers then fail, and torch's agent starts the second round in place.
+STORE_WORKER = """
+import os, sys
+import torch.distributed as dist
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+dist.barrier()
+print(f"rank={dist.get_rank()} restart={restart} MASTER_PORT={os.environ['MASTER_PORT']}", flush=True)
+dist.destroy_process_group()
+sys.exit(1 if restart == 0 else 0)
+"""
+
+
+def test_the_workers_store_is_on_the_jobs_store_port_across_an_in_place_restart(tmp_path):
+    pytest.importorskip("torch", reason="torch (CPU) from .cache/wheelhouse is not installed in this venv")
+    (tmp_path / "worker.py").write_text(STORE_WORKER)
+    port = closed_port()
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCHER), f"--store-port={port}", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=1", str(tmp_path / "worker.py")],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank="))
+    assert said == [f"rank={rank} restart={restart} MASTER_PORT={port}" for rank in (0, 1) for restart in (0, 1)]
+
+
+@pytest.mark.parametrize("old_build", [lambda rank, store: None, lambda rank, store, local_addr: None])
+def test_a_torch_that_cannot_place_the_store_holds_the_job_and_says_why(launcher, monkeypatch, capsys, old_build):
+    api = pytest.importorskip("torch.distributed.elastic.rendezvous.api")
+    # torch 2.4's first build had no server_port: its agent would take a free port, which every local user reaches.
+    monkeypatch.setattr(api.RendezvousStoreInfo, "build", staticmethod(old_build))
+    monkeypatch.setenv("BUDGETGPU_JOB", "pretrain")
+    monkeypatch.delenv("BUDGETGPU_GPUS", raising=False)
+    assert launcher.main(["--store-port=30500", "--nproc-per-node=1", "x.py"]) == launcher.HELD_EXIT
+    out = capsys.readouterr().out
+    assert "job pretrain held, not started: this torch (" in out and "not on the job's store_port 30500" in out
+    # Without the class at all (torch before 2.4), likewise.
+    monkeypatch.setitem(sys.modules, "torch.distributed.elastic.rendezvous.api", None)
+    assert launcher.announce_store_port(30500) is False

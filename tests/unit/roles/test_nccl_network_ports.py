@@ -1,6 +1,6 @@
-"""The firewall guards the port each job really listens on: the units and the firewall read one job
-list, budgetgpu_jobs, with torchrun_job_defaults applied (a job default of 29600 once left the c10d
-store open while the table guarded 29500)."""
+"""The firewall guards the ports each job really listens on, its rendezvous port and its workers' store port: the
+units and the firewall read one job list, budgetgpu_jobs, with torchrun_job_defaults applied (a job default of 29600
+once left the c10d store open while the table guarded 29500)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ PLAYBOOK = """\
       loop: [defaults, vars]
     - name: Show them
       ansible.builtin.debug:
-        msg: "PORTS={{ _nccl_network_rendezvous_ports | to_json }}"
+        msg: "PORTS={{ _nccl_network_job_ports | to_json }}"
 """
 
 
@@ -36,8 +36,10 @@ def ports(tmp_path: Path, **variables) -> list[int]:
 
 
 def test_a_job_default_port_is_the_port_the_firewall_guards(tmp_path: Path) -> None:
-    jobs = [{"name": "a", "script": "/x.py"}, {"name": "b", "script": "/y.py", "port": "29700"}]
-    assert ports(tmp_path, torchrun_jobs=jobs, torchrun_job_defaults={"port": 29600}) == [29600, 29700, 29500]
+    jobs = [{"name": "a", "script": "/x.py"}, {"name": "b", "script": "/y.py", "port": "29700", "store_port": "31000"}]
+    found = ports(tmp_path, torchrun_jobs=jobs, torchrun_job_defaults={"port": 29600})
+    # The workers' stores too: a's at its port + 1000, b's where it says.
+    assert found == [29600, 29700, 30600, 31000, 29500]
 
 
 def test_without_jobs_torchs_default_port_is_guarded(tmp_path: Path) -> None:

@@ -147,7 +147,10 @@ def test_hsdp_over_two_nodes_keeps_a_whole_checkpoint_on_each_and_resumes(tmp_pa
 
 def test_a_rank_killed_costs_a_restart_from_the_last_sharded_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    command = [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", str(TRAINER), "--max-steps", "60",
+    # Through the units' launcher, the workers' store on a fixed port (the job's store_port): the restarted round's
+    # rank 0 listens on the port the killed round's held.
+    command = [sys.executable, str(FILES / "budgetgpu-torchrun"), f"--store-port={free_port()}", "--standalone",
+               "--nproc-per-node=2", "--max-restarts=1", str(TRAINER), "--max-steps", "60",
                "--log-every", "1", "--step-sleep", "0.05", "--checkpoint-every-steps", "5",
                "--checkpoint-every-minutes", "0", "--checkpoint-dir", str(ckpt)]  # fmt: skip
     agent = subprocess.Popen(command, env=env(BUDGETGPU_PARALLELISM="fsdp"), stdout=subprocess.PIPE,

@@ -172,6 +172,36 @@ def test_jobs_on_disjoint_nodes_may_share_a_port():
     assert cluster_check(nodes, job_list, GROUPS, {"min_cpus_per_process": 1})["problems"] == []
 
 
+def test_a_store_port_on_another_jobs_port_or_store_port_fails_naming_both():
+    # pretrain's store (its port + 1000) on eval's rendezvous port.
+    result = check(jobs({}, {"name": "eval", "port": 30500}))
+    assert [(p["job"], p["field"], p["found"], p["expected"]) for p in result["problems"]] == [
+        ("eval", "port", 30500, "a port other than 30500, which job pretrain uses on these nodes as its store_port")
+    ]
+    assert result["problems"][0]["hint"] == "give every job its own port and store_port"
+    named = check(jobs({"store_port": 31000}, {"name": "eval", "port": 29501, "store_port": 31000}))
+    assert fields(named) == {("node1,node2", "store_port")}
+    assert named["problems"][0]["expected"].endswith("which job pretrain uses on these nodes as its store_port")
+
+
+@pytest.mark.parametrize("store_port", [29500, 0, 70000, "next"])
+def test_a_store_port_that_is_the_jobs_port_or_no_port_fails(store_port):
+    result = check(jobs({"store_port": store_port}))
+    assert fields(result) == {("node1,node2", "store_port")}, result["report"]
+    # The default follows the port: a port above 64535 needs a store port of its own.
+    assert fields(check(jobs({"port": 65000}))) == {("node1,node2", "store_port")}
+
+
+def test_a_store_port_in_a_nodes_ephemeral_range_fails_on_that_node():
+    # The kernel may hand the port to any connection between two restarts, when rank 0's worker binds it again.
+    nodes = make_nodes(node2={"facts": {"budgetgpu_net": {"ephemeral_ports": [30000, 60999]}}})
+    result = check(jobs({}), nodes)
+    assert [(p["host"], p["field"], p["found"]) for p in result["problems"]] == [("node2", "store_port", 30500)]
+    expected = "a port outside node2's ephemeral range 30000-60999 (net.ipv4.ip_local_port_range)"
+    assert result["problems"][0]["expected"] == expected
+    assert check(jobs({"store_port": 29999}), nodes)["problems"] == []
+
+
 def test_a_missing_script_fails_on_that_host_only():
     nodes = make_nodes(node2={"budgetgpu_preflight_scripts": {"/srv/train.py": False}})
     result = check(jobs({}), nodes)
@@ -449,6 +479,17 @@ def test_every_node_but_the_master_waits_for_the_masters_store():
     assert not [a for a in plain["argv"] if a.startswith("--wait-for-master")]
 
 
+def test_the_launcher_puts_the_c10d_workers_store_on_the_jobs_store_port():
+    launcher = "/opt/budgetgpu/bin/budgetgpu-torchrun"
+    (job,) = torchrun_plan(jobs({"store_port": 30600}), "node2", GROUPS, make_nodes(), launcher)
+    # After the wait (the launcher's first argument), on every node: whichever is rank 0 hosts the workers' store.
+    assert job["argv"][2:5] == ["--wait-for-master=node1:29500", "--store-port=30600", "--nproc-per-node=4"]
+    # The static rendezvous' workers use the store on port; without the launcher nobody places the store.
+    (static,) = torchrun_plan(jobs({"rendezvous": "static"}), "node1", GROUPS, make_nodes(), launcher)
+    (plain,) = torchrun_plan(jobs({}), "node1", GROUPS, make_nodes())
+    assert not [a for a in static["argv"] + plain["argv"] if a.startswith("--store-port")]
+
+
 def test_workers_get_a_fresh_store_for_each_rendezvous_round():
     # The shared agent store kept the peers' addresses of the round before an in-place restart.
     c10d = torchrun_environment(jobs({})[0], "node1", make_nodes())
@@ -545,9 +586,10 @@ def test_exec_lines_are_quoted_for_systemd():
 
 def test_a_launcher_runs_with_the_venvs_python():
     (job,) = torchrun_plan(jobs({}), "node1", GROUPS, make_nodes(), "/opt/budgetgpu/bin/budgetgpu-torchrun")
-    assert job["argv"][:3] == [
+    assert job["argv"][:4] == [
         "/opt/budgetgpu/venv/bin/python3",
         "/opt/budgetgpu/bin/budgetgpu-torchrun",
+        "--store-port=30500",
         "--nproc-per-node=4",
     ]
 

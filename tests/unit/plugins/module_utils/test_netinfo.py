@@ -255,3 +255,13 @@ def test_probe_net_passes_the_rule_and_reports_it(tmp_path):
     facts = netinfo.probe_net(str(tmp_path), addresses, SUBNET, "=eth1")
     assert facts["interface_rule"] == "=eth1"
     assert (facts["cluster_interface"]["name"], facts["cluster_interface"]["prefixlen"]) == ("eth1", 16)
+
+
+def test_the_ephemeral_port_range_is_the_kernels_two_numbers(tmp_path):
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("32768\t60999\n")
+    assert netinfo.ephemeral_ports(str(path)) == [32768, 60999]
+    for text in ("32768\n", "low high\n"):
+        path.write_text(text)
+        assert netinfo.ephemeral_ports(str(path)) is None
+    assert netinfo.ephemeral_ports(str(tmp_path / "missing")) is None

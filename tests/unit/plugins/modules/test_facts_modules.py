@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import ephemeral_ports
 from ansible_collections.budgetgpu.cluster.plugins.modules import gpu_facts, net_facts, pcie_facts
 
 MODULES = {"gpu_facts": gpu_facts, "pcie_facts": pcie_facts, "net_facts": net_facts}
@@ -117,6 +118,8 @@ def test_net_facts_finds_the_cluster_interface_with_ip_in_c_locale(monkeypatch, 
     facts = result["ansible_facts"]["budgetgpu_net"]
     assert facts["cluster_interface"]["name"] == "lo"
     assert any(iface["name"] == "lo" and iface["kind"] == "loopback" for iface in facts["interfaces"])
+    # The kernel's ephemeral range, which preflight keeps a job's store port out of.
+    assert facts["ephemeral_ports"] == ephemeral_ports() and len(facts["ephemeral_ports"]) == 2
 
 
 def test_net_facts_applies_the_interface_rule(monkeypatch, capsys):

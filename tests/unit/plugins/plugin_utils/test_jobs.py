@@ -27,6 +27,15 @@ def test_precedence_is_builtin_then_user_and_venv_then_job_defaults_then_the_job
     assert (own["user"], own["venv"], own["port"]) == ("carol", "/srv/v2", 29700)
 
 
+def test_a_jobs_store_port_is_its_port_plus_1000_unless_it_names_one():
+    # Not port + 1: jobs on consecutive ports (29600, 29601) would put one job's store on the next one's rendezvous.
+    jobs = [JOB, {**JOB, "name": "next", "port": "29601"}, {**JOB, "name": "own", "store_port": "31000"}]
+    first, following, own = torchrun_jobs_normalize(jobs, {"port": 29600})
+    assert [(job["port"], job["store_port"]) for job in (first, following, own)] == [
+        (29600, 30600), (29601, 30601), (29600, 31000)
+    ]  # fmt: skip
+
+
 def test_empty_shared_settings_keep_the_builtin_ones():
     (job,) = torchrun_jobs_normalize([JOB], None, user="", venv=None)
     assert (job["user"], job["venv"]) == ("budgetgpu", "/opt/budgetgpu/venv")
