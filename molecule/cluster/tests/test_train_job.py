@@ -1,8 +1,9 @@
 """The training job across the two nodes, through the rendered units: it runs as budgetgpu with a
 clean unit, learns, checkpoints, survives an unchanged re-run and a changed input without a
-restart, resumes from its last checkpoint after a killed worker and after a node's reboot, and
-stops cleanly on all nodes. Step counters come from the journal and the checkpoint files. Then an fsdp
-job of its own loses a GPU to the health watch and carries on with the others, then with all again.
+restart, resumes from its last checkpoint after a killed worker (its workers' store on its fixed port again, which a
+local user outside the job does not reach) and after a node's reboot, and stops cleanly on all nodes. Step counters
+come from the journal and the checkpoint files. Then an fsdp job of its own loses a GPU to the health watch and
+carries on with the others, then with all again.
 
 The tests run in file order; each leaves the job running for the next (the stop and finish tests end it, the
 master's outage spans three tests)."""
@@ -56,6 +57,17 @@ REPORT = re.compile(r"^(straggler: rank \d+ \((\S+) .*|step times: slowest rank 
 # node2's ranks may use this much CPU in the straggler test (microseconds per 100 ms): far below what
 # they use, so that they really compute slower.
 THROTTLE_US = 2000
+# The e2e job's workers' store (MASTER_PORT): its store_port, port 29500 + 1000.
+STORE_PORT = 30500
+# Connects to port on address; prints "connected" or the error's name.
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()
+    print("connected")
+except OSError as err:
+    print(type(err).__name__)
+"""
 
 
 def sh(node: str, command: str, check: bool = True) -> str:
@@ -177,6 +189,15 @@ def playbook(*args: str) -> str:
 
 def recap_changed(output: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", output, re.MULTILINE)}
+
+
+def store_listener() -> tuple[str, str]:
+    """(node, pid) of the one process listening on the workers' store port: rank 0's worker, on the node that is
+    rank 0 of the rendezvous."""
+    found = [(node, m[1]) for node in NODES
+             if (m := re.search(r"pid=(\d+)", sh(node, f"ss -Hltnp 'sport = :{STORE_PORT}'")))]  # fmt: skip
+    assert len(found) == 1, found
+    return found[0]
 
 
 def main_pids() -> dict[str, str]:
@@ -391,6 +412,7 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     pids = main_pids()
     before = {node: len(journal(node)) for node in NODES}
     saved_before = max(max(checkpoints(node), default=0) for node in NODES)
+    store_before = store_listener()
     pid = show("cluster-node2", "MainPID")
     victim = sh("cluster-node2", f"ps -o pid=,args= --ppid {pid} | grep train_ddp.py | head -n1")
     sh("cluster-node2", f"kill -9 {victim.split()[0]}")
@@ -410,6 +432,17 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     # torchrun replaced the worker in place (max_restarts 3): no unit failed, systemd restarted none.
     assert {node: int(show(node, "NRestarts")) for node in NODES} == restarts
     assert main_pids() == pids
+    # Issue 40: the restarted round's store is on the job's store_port again (a new rank 0 worker), not on a free
+    # port torch picked. The job's user reaches it from that node; another local user gets a reset (the training
+    # table's chain output), as it would from an ephemeral port before.
+    started = time.monotonic()
+    node, store_pid = store_listener()
+    assert store_pid != store_before[1], (store_before, store_pid)
+    address = sh(node, "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1").split()[0]
+    connect = f"python3 -c {shlex.quote(CONNECT)} {address} {STORE_PORT}"
+    assert sh(node, f"runuser -u budgetgpu -- {connect}").strip() == "connected"
+    assert sh(node, f"runuser -u nobody -- {connect}").strip() == "ConnectionRefusedError"
+    print(f"store port: {node} pid {store_pid} on {STORE_PORT}, checked in {time.monotonic() - started:.1f} s")
 
 
 def test_a_rebooted_node_starts_the_job_at_boot_and_it_resumes(reboot):
