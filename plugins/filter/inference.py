@@ -38,6 +38,7 @@ class FilterModule:
             "inference_worker_command": as_filter(engines.inference_worker_command),
             "inference_rpc_server_command": as_filter(engines.inference_rpc_server_command),
             "inference_rpc_wait_command": as_filter(engines.inference_rpc_wait_command),
+            "inference_head_rpc": as_filter(engines.llamacpp_head_rpc),
             "inference_gateway_allow": as_filter(gateway.inference_gateway_allow),
             "inference_firewall_ports": as_filter(gateway.inference_firewall_ports),
             "inference_gateway_keys": as_filter(keys.inference_gateway_keys),

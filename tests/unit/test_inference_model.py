@@ -645,6 +645,19 @@ def test_a_worker_range_that_holds_a_training_jobs_port_is_refused():
     assert check(services(embed()), jobs=training(1)) == []
 
 
+def test_the_head_of_a_llamacpp_worker_over_nodes_reserves_a_port_per_worker_for_its_own_rpc_server():
+    # span: 2 workers over node1 (head) and node2, 8100-8101 on each; node1 also 8102-8103 for its own RPC servers,
+    # used where its llama-server has no GPU device (placement.head_rpc_ports), so reserved whatever the build.
+    span = llama(name="span", nodes_per_worker=2, gpus=[0, 1], gateway={"port": 8090})
+    ports = [p for p in check(services(span, embed(gpus=[2], port=8103))) if "port: found" in p]
+    assert ports == [
+        "node1: service embed workers: port: found 8103, expected ports apart from 8102-8103 (service span RPC "
+        "servers of its head (port + GPUs + slot) on node1); a service's workers use port .. port + GPUs - 1"
+    ]
+    # node2 serves no worker of its own: 8102 and above are free there, as they are on node1 past 8103.
+    assert not [p for p in check(services(span, embed(gpus=[2], port=8104))) if "port: found" in p]
+
+
 def test_two_gateways_on_one_port_of_one_host_are_refused():
     bad = check(services(embed(gpus=[0]), chat(gpus=[1], port=8200)))
     assert bad == [
@@ -749,6 +762,7 @@ def test_the_filters_wrap_the_model_and_fail_the_task_with_its_message():
         "inference_worker_command",
         "inference_rpc_server_command",
         "inference_rpc_wait_command",
+        "inference_head_rpc",
         "inference_binary_problems",
         "inference_gguf_header",
         "inference_gateway_allow",

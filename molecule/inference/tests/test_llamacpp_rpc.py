@@ -7,13 +7,15 @@ stays down (issue 43 item 4's last sentence): the head's unit ends failed at its
 an alert and no restart loop, the gateway answers 503 with Retry-After throughout, and the role's recovery
 (reset-failed, then a start) serves again once the node is back.
 
-A CPU build has no device of its own: every layer of the head goes to its one RPC device (RPC0, node2's server),
-and llama-server's default log level does not print the split; the head's connection to node2's server, and its
-abort once that server is killed, show it. The helpers are test_inference.py's; these run after test_llamacpp.py's."""
+A CPU build has no GPU device of its own (llama-server --list-devices: none), so the head serves its own node's GPU
+through an RPC server of its own on loopback, the last of its --rpc (the role's head_rpc): the layers land on both
+nodes. llama-server's default log level does not print the split; the first test raises it for one start of the
+head. The helpers are test_inference.py's; these run after test_llamacpp.py's."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -21,7 +23,11 @@ import time
 from test_inference import GATEWAY, KEY, OTHER, gpu_uuids, healthy, main_pid, sh, wait_for
 
 SPAN_PORT, SPAN_GATEWAY = 8400, 8083  # molecule.yml: service span; its RPC server listens on node2's port 8400
+OWN_PORT = 8401  # the head's own RPC server: 127.0.0.1, port + the head's GPUs of span (1) + slot (placement.py)
 HEAD, RPC = "budgetgpu-infer-span@0.service", "budgetgpu-infer-span.rpc@0.service"
+# A runtime drop-in (gone at the next daemon-reload once removed) that makes the head's llama-server log where its
+# layers went; its default log level does not (about 25 lines a request at level 4: not the role's setting).
+VERBOSE = f"/run/systemd/system/{HEAD}.d/verbose.conf"
 RPC_SERVER = "/usr/local/lib/budgetgpu/ggml-rpc-server"
 
 # Runs on a node: prints the remote IPv4 address of each established TCP connection to local port argv[1].
@@ -64,18 +70,46 @@ def test_one_worker_spans_both_nodes_its_head_connected_to_the_rpc_server_on_the
     url = f"http://{addresses[GATEWAY]}:{SPAN_PORT}/health"
     wait_for(url, lambda: healthy(GATEWAY, url), timeout=120)
     argv = sh(GATEWAY, f"cat /proc/{main_pid(GATEWAY, HEAD)}/cmdline").split("\0")
-    assert argv[argv.index("--rpc") + 1] == f"{addresses[OTHER]}:{SPAN_PORT}", argv
-    # No head on node2, no RPC server on node1: one worker over both.
-    assert main_pid(OTHER, HEAD) in ("", "0") and main_pid(GATEWAY, RPC) in ("", "0")
-    pid = main_pid(OTHER, RPC)
-    rpc = sh(OTHER, f"cat /proc/{pid}/cmdline").split("\0")
-    assert rpc[:6] == [RPC_SERVER, "--host", addresses[OTHER], "--port", str(SPAN_PORT), "--cache"], rpc
-    assert sh(OTHER, f"stat -c %U /proc/{pid}").strip() == "budgetgpu-infer"
-    env = sh(OTHER, f"systemctl show -p Environment --value {RPC}").split()
-    assert f"CUDA_VISIBLE_DEVICES={gpu_uuids(OTHER)[1]}" in env, env
-    # The head holds its connection to node2's server (the layers are there).
+    assert argv[argv.index("--rpc") + 1] == f"{addresses[OTHER]}:{SPAN_PORT},127.0.0.1:{OWN_PORT}", argv
+    # No head on node2: one worker over both. Each node's GPU 1 behind an RPC server as the workers' user: node2's
+    # on its cluster address, the head's own on loopback.
+    assert main_pid(OTHER, HEAD) in ("", "0")
+    for node, address, port in ((OTHER, addresses[OTHER], SPAN_PORT), (GATEWAY, "127.0.0.1", OWN_PORT)):
+        pid = main_pid(node, RPC)
+        rpc = sh(node, f"cat /proc/{pid}/cmdline").split("\0")
+        assert rpc[:6] == [RPC_SERVER, "--host", address, "--port", str(port), "--cache"], (node, rpc)
+        assert sh(node, f"stat -c %U /proc/{pid}").strip() == "budgetgpu-infer"
+        env = sh(node, f"systemctl show -p Environment --value {RPC}").split()
+        assert f"CUDA_VISIBLE_DEVICES={gpu_uuids(node)[1]}" in env, (node, env)
+    # The head holds its connection to node2's server.
     peers = sh(OTHER, f"python3 -c '{PEERS}' {SPAN_PORT}").split()
     assert addresses[GATEWAY] in peers, peers
+
+
+def model_buffers(since: int) -> dict[str, float]:
+    """{RPC server's address:port: MiB of the model's layers on it} that the head's llama-server logged since."""
+    journal = sh(GATEWAY, f"journalctl -u {HEAD} --since @{since} -o cat --no-pager")
+    found = re.findall(r"RPC\d+\[([^\]]+)\] model buffer size = +([\d.]+) MiB", journal)
+    return {server: float(mib) for server, mib in found}
+
+
+def test_the_split_models_layers_are_on_the_rpc_server_of_each_node(addresses) -> None:
+    since = int(time.time())  # the containers' clock is this host's
+    sh(GATEWAY, f"mkdir -p {VERBOSE.rsplit('/', 1)[0]} && printf '[Service]\\nEnvironment=LLAMA_ARG_LOG_VERBOSITY=4\\n'"
+                f" > {VERBOSE} && systemctl daemon-reload && systemctl restart {HEAD}")  # fmt: skip
+    try:
+        wait_for("the head's model buffers in its journal", lambda: len(model_buffers(since)) >= 2, 60)
+    finally:
+        # The drop-in goes; the head keeps its log level until its next start (the kill test's). reset-failed: these
+        # starts do not count against its start limit (3 in 2 minutes), which the next tests need.
+        sh(GATEWAY, f"rm -f {VERBOSE} && systemctl daemon-reload && systemctl reset-failed {HEAD}")
+    # node2's server (RPC0: the first layers) and the head's own (RPC1: the last and the output), both > 0 MiB.
+    buffers = model_buffers(since)
+    assert sorted(buffers) == sorted([f"{addresses[OTHER]}:{SPAN_PORT}", f"127.0.0.1:{OWN_PORT}"]), buffers
+    assert all(mib > 0 for mib in buffers.values()), buffers
+    print(f"span's layers: {buffers} MiB")
+    url = f"http://{addresses[GATEWAY]}:{SPAN_PORT}/health"
+    wait_for(url, lambda: healthy(GATEWAY, url), timeout=60)
 
 
 def test_the_official_openai_client_completes_and_streams_through_the_gateway_of_the_split_model(gateway) -> None:
@@ -148,6 +182,9 @@ def test_the_rpc_port_admits_the_head_alone(addresses) -> None:
     # ...the host outside the cluster and a user of node2 itself that is not root are reset.
     assert not connects(None, "", rpc, SPAN_PORT)
     assert not connects(OTHER, "nobody", rpc, SPAN_PORT)
+    # The head's own RPC server: its llama-server's user on the node connects, another user is reset.
+    assert connects(GATEWAY, "budgetgpu-infer", "127.0.0.1", OWN_PORT)
+    assert not connects(GATEWAY, "nobody", "127.0.0.1", OWN_PORT)
 
 
 # Runs on node2: drops every packet to the RPC port, so that the head's connects get no answer at all, as from a

@@ -21,9 +21,11 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placem
     _gpu_label,
     _per_worker,
     _placement,
+    head_rpc_ports,
     inference_gateway_host,
     service_hosts,
     spanning_problems,
+    spans_llamacpp,
     worker_layouts,
     worker_node_groups,
 )
@@ -241,16 +243,21 @@ def _port_owners(
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None,
 ) -> dict[str, list[tuple[int, int, str]]]:
-    """Return {host: [(first port, last port, owner)]}: each service's worker range, each gateway
+    """Return {host: [(first port, last port, owner)]}: each service's worker range, on the head of a
+    llama.cpp worker over nodes its own RPC servers' (head_rpc_ports, whatever its build), each gateway
     port, each training job's port (rendezvous) on the nodes of that job."""
     owners: dict[str, list[tuple[int, int, str]]] = {}
     for service in services:
         name = service.get("name")
+        heads = [group[0] for group in worker_node_groups(service, hostvars, hosts)] if spans_llamacpp(service) else []
         for host in (h for h in service_hosts(service, hostvars, hosts) if h in hosts):
             count = len(_placement(service, hostvars, host, jobs)[0])
             if count:
                 port = service["port"]
                 owners.setdefault(host, []).append((port, port + count - 1, f"service {name} workers"))
+            own = head_rpc_ports(service, count) if host in heads else []
+            if own:
+                owners[host].append((own[0], own[-1], f"service {name} RPC servers of its head (port + GPUs + slot)"))
         gateway = inference_gateway_host(service, hostvars, hosts)
         if gateway in hosts:
             port = service["gateway"]["port"]

@@ -3,6 +3,7 @@ service's own command line), vllm (``vllm serve``) and llamacpp (llama-server)."
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Mapping
 from typing import Any
@@ -153,6 +154,20 @@ def inference_llamacpp_command(
     if service.get("task") == "embeddings":
         argv.append("--embeddings")
     return argv
+
+
+def llamacpp_head_rpc(results: list[Mapping[str, Any]], llama_server: str) -> bool:
+    """Return whether a node's llama-server has no GPU device of its own, so that the head of a worker over
+    nodes serves its GPUs through an RPC server of its own (placement.inference_workers' head_rpc). ``results``:
+    a looped command's, item {src, dest}, where llama_server's ran ``--list-devices`` on the node: the build
+    as installed there answers (a CPU build lists "(none)"; a CUDA build each GPU it can open), whoever built
+    it. No such result (check mode, no llama.cpp here): False, the plan as without the fact."""
+    for result in results or []:
+        if (result.get("item") or {}).get("dest") == llama_server and "stdout" in result:
+            lines = str(result["stdout"]).splitlines()
+            after = lines[next((i + 1 for i, line in enumerate(lines) if line.startswith("Available devices")), 0) :]
+            return not any(re.match(r"\s+[^\s:]+: ", line) for line in after)
+    return False
 
 
 def inference_rpc_server_command(server: Mapping[str, Any], rpc_server: str | None = None) -> list[str]:

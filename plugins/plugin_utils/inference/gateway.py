@@ -57,8 +57,8 @@ def inference_firewall_ports(
     Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
     that is empty; the llama.cpp RPC servers of each worker over several nodes from that worker's head
     alone (every address of it, and its cluster address), from no local user but root (the head is
-    always another node). ``plan``, ``gateways`` and ``rpc_plan`` (those with rpc_servers here) are
-    role inference's entries of this node."""
+    another node), a head's own (head_rpc) from its service's user alone. ``plan``, ``gateways`` and
+    ``rpc_plan`` (those with rpc_servers here) are role inference's entries of this node."""
     entries = []
     for svc in plan:
         ports = sorted(int(worker["port"]) for worker in svc.get("workers") or [])
@@ -92,18 +92,31 @@ def inference_firewall_ports(
 
 def _rpc_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The firewall entries of a service's llama.cpp RPC servers on a node, one per worker's head: the RPC
-    server has no authentication (whoever reaches it runs tensors on its GPUs), so its head alone."""
+    server has no authentication (whoever reaches it runs tensors on its GPUs), so its head alone. A head's
+    own RPC servers (placement.head_rpc_ports, on loopback) admit no other host, and of the node's own users
+    the service's, which its llama-server runs as (and root)."""
     heads: dict[str, list[Mapping[str, Any]]] = {}
     for server in svc.get("rpc_servers") or []:
         heads.setdefault(str(server["head"]), []).append(server)
+    inputs = f"service {svc['name']}: nodes and nodes_per_worker (a worker's head is its first node)"
     return [
         {
+            "port": sorted(int(server["port"]) for server in servers),
+            "what": f"{svc['name']} own RPC servers of {head}",
+            "only": f"the head {head}'s own llama-server only",
+            "hosts": [],
+            "extra": [],
+            "inputs": inputs,
+            "local": [str(svc["service"]["user"])],
+        }
+        if all(server["host"] == head for server in servers)
+        else {
             "port": sorted(int(server["port"]) for server in servers),
             "what": f"{svc['name']} RPC servers of {head}",
             "only": f"the head {head} only",
             "hosts": [head],
             "extra": sorted({str(server["head_address"]) for server in servers}),
-            "inputs": f"service {svc['name']}: nodes and nodes_per_worker (a worker's head is its first node)",
+            "inputs": inputs,
             "local": [],
         }
         for head, servers in heads.items()

@@ -209,14 +209,35 @@ def spanning_problems(
     return problems
 
 
+# Where a head's own llama.cpp RPC server listens (head_rpc): loopback, so that no other node can reach it
+# whatever the firewall holds; the firewall admits the head's own user there (gateway._rpc_entries).
+HEAD_RPC_ADDRESS = "127.0.0.1"
+
+
+def spans_llamacpp(service: Mapping[str, Any]) -> bool:
+    """Whether the service's workers are llama.cpp workers over several nodes (a head and RPC nodes)."""
+    return service.get("engine") == "llamacpp" and _per_node(service) > 1
+
+
+def head_rpc_ports(service: Mapping[str, Any], head_gpus: int) -> list[int]:
+    """Return the ports of a head's own RPC servers (head_rpc), one per worker slot: after the service's
+    port .. port + GPUs - 1 on the head (its workers'), port + GPUs + slot, on loopback. Preflight reserves
+    them on every head of a llama.cpp worker over nodes whatever its build (checks._port_owners): the ports do
+    not move when the build does."""
+    return [int(service["port"]) + head_gpus + slot for slot in range(head_gpus // _per_worker(service))]
+
+
 def _workers(
     service: Mapping[str, Any],
     hostvars: Mapping[str, Any],
     layouts: list[list[tuple[str, list[dict[str, Any]]]]],
+    head_rpc: bool = False,
 ) -> list[dict[str, Any]]:
     """The workers of worker_layouts on their head; a llama.cpp worker also names its RPC servers (on
-    each other node: port + slot, that node's GPUs of it) and its tensor_split (llamacpp_tensor_split)."""
+    each other node: port + slot, that node's GPUs of it; with head_rpc, the head's own last, on
+    head_rpc_ports) and its tensor_split (llamacpp_tensor_split)."""
     name, port = str(service.get("name")), service.get("port")
+    own_ports = head_rpc_ports(service, len(layouts) * _per_worker(service)) if head_rpc else []
     workers = []
     for slot, layout in enumerate(layouts):
         host, group = layout[0]
@@ -246,6 +267,20 @@ def _workers(
                 }
                 for node, gpus in layout[1:]
             ]
+            if own_ports and worker["rpc_servers"]:
+                # Last in --rpc: llama-server's devices keep the order of a head with GPUs of its own (the RPC
+                # nodes', then the head's), which tensor_split and preflight's arithmetic count in.
+                worker["rpc_servers"].append(
+                    {
+                        "host": host,
+                        "slot": slot,
+                        "address": HEAD_RPC_ADDRESS,
+                        "port": own_ports[slot],
+                        "gpu_indices": worker["gpu_indices"],
+                        "gpu_uuids": worker["gpu_uuids"],
+                        "unit": rpc_unit_name(name, slot),
+                    }
+                )
             worker["tensor_split"] = llamacpp_tensor_split(service, [gpu for _node, gpu in llamacpp_devices(layout)])
         workers.append(worker)
     return workers
@@ -272,6 +307,7 @@ def inference_workers(
     host: str,
     jobs: list[Mapping[str, Any]] | None = None,
     hosts: list[str] | None = None,
+    head_rpc: bool = False,
 ) -> list[dict[str, Any]]:
     """Return the workers of the service whose head is host, one per gpus_per_worker GPUs ([] where host
     is not a node of it, or only an RPC node): {service, host, slot, gpu_index, gpu_uuid (its first
@@ -279,7 +315,10 @@ def inference_workers(
     address, port, gpu_indices, gpu_uuids, unit}], the other nodes of a worker that spans nodes_per_worker
     nodes, in llama-server's --rpc order, else []) and tensor_split (each GPU's share, in llama-server's
     device order). Slot i listens on port + i.
-    hosts: the inventory's hosts, which order a group of nodes (default: hostvars' order)."""
+    hosts: the inventory's hosts, which order a group of nodes (default: hostvars' order).
+    head_rpc: the head's llama-server has no GPU device of its own (a build without a GPU backend,
+    engines.llamacpp_head_rpc): a worker over nodes reaches the head's GPUs through an RPC server on the head,
+    the last of its rpc_servers (on loopback, head_rpc_ports)."""
     if not serves_on(service, hostvars, host):
         return []
     if _per_node(service) == 1:
@@ -297,7 +336,7 @@ def inference_workers(
         raise ValueError("; ".join(problems))
     if not group or group[0] != host:
         return []
-    return _workers(service, hostvars, worker_layouts(service, hostvars, group, jobs))
+    return _workers(service, hostvars, worker_layouts(service, hostvars, group, jobs), head_rpc)
 
 
 def inference_rpc_servers(
@@ -306,16 +345,19 @@ def inference_rpc_servers(
     host: str,
     hosts: list[str],
     jobs: list[Mapping[str, Any]] | None = None,
+    head_rpc: bool = False,
 ) -> list[dict[str, Any]]:
     """Return the llama.cpp RPC servers host runs for the service's workers that span nodes: {host, slot,
     address, port, gpu_indices, gpu_uuids, unit (rpc_unit_name), service, head, head_address} (head: the
-    worker's head node, which alone connects to it); [] on a head or a node of a worker of one node."""
-    group = next((g for g in worker_node_groups(service, hostvars, hosts) if host in g[1:]), None)
+    worker's head node, which alone connects to it); [] on a node of a worker of one node, and on a head
+    unless head_rpc (inference_workers: its own, where host is the head)."""
+    groups = worker_node_groups(service, hostvars, hosts) if spans_llamacpp(service) else []
+    group = next((g for g in groups if host in (g if head_rpc else g[1:])), None)
     if group is None:
         return []
     return [
         {**server, "service": worker["service"], "head": worker["host"], "head_address": worker["address"]}
-        for worker in inference_workers(service, hostvars, group[0], jobs, hosts)
+        for worker in inference_workers(service, hostvars, group[0], jobs, hosts, head_rpc)
         for server in worker["rpc_servers"]
         if server["host"] == host
     ]

@@ -62,11 +62,13 @@ def inference_plan(
     allow: list[str] | None = None,
     cluster_subnet: str | None = None,
     recorded: str | None = None,
+    head_rpc: bool = False,
 ) -> dict[str, Any]:
     """Return the service on host: {service, name, state, workers (inference_workers: those whose head is
     host), rpc_servers (inference_rpc_servers: the llama.cpp RPC servers host runs for workers headed on
-    another node), is_gateway, upstreams (every worker of every node: the gateway's alone, while the
-    service is not absent: inference_upstream_servers, {address, node}), stale and unknown (the nodes without
+    another node; with head_rpc, where host's llama-server has no GPU device, also those of its own workers
+    over nodes), is_gateway, upstreams (every worker of every node: the gateway's alone, while the service is
+    not absent: inference_upstream_servers, {address, node}), stale and unknown (the nodes without
     GPU facts in this run whose servers of the last run are kept, recorded: the text of the gateway config an
     earlier run wrote, and those it does not hold), report (a line for each of those nodes), model_dir,
     config_file, template, rpc_template (the unit template of its llama.cpp RPC servers), gateway_host,
@@ -88,8 +90,8 @@ def inference_plan(
         "service": service,
         "name": name,
         "state": service.get("state"),
-        "workers": inference_workers(service, hostvars, host, jobs, hosts),
-        "rpc_servers": inference_rpc_servers(service, hostvars, host, hosts, jobs),
+        "workers": inference_workers(service, hostvars, host, jobs, hosts, head_rpc),
+        "rpc_servers": inference_rpc_servers(service, hostvars, host, hosts, jobs, head_rpc),
         "is_gateway": is_gateway,
         "upstreams": upstreams["servers"],
         "stale": upstreams["stale"],

@@ -40,6 +40,7 @@ def test_the_gateway_keeps_a_down_nodes_servers_of_the_last_run_and_names_it(tmp
   vars:
     _inference_all: "{{{{ budgetgpu_inference_services }}}}"
     _inference_nginx_conf_dir: {tmp_path}
+    _inference_head_rpc: false
     inference_api_keys: {{ci: 0123456789abcdef0123456789abcdef}}
     inference_gateway_allow: []
     budgetgpu_cluster_subnet: 10.0.0.0/24

@@ -187,18 +187,21 @@ printf 'Id=%s\\nLoadState=loaded\\nActiveState=failed\\nSubState=failed\\nUnitFi
 HEAD_PLAN = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
 
 
-@pytest.fixture(name="head", scope="module")
-def fixture_head(tmp_path_factory) -> dict:
+def run_head(tmp_path: Path, plan: dict) -> dict:
     """One run of HEAD_PLAYBOOK on node1: {conf: the head's drop-in, calls: the systemctl command lines}."""
-    tmp_path = tmp_path_factory.mktemp("head")
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "systemctl").write_text(FAKE_SYSTEMCTL)
     (bin_dir / "systemctl").chmod(0o755)
-    extra = {"test_repo": str(REPO), "test_bin": str(bin_dir), "test_plan": HEAD_PLAN}
+    extra = {"test_repo": str(REPO), "test_bin": str(bin_dir), "test_plan": plan}
     result = run_playbook(tmp_path, HEAD_PLAYBOOK, extra, host="node1")
     assert result.returncode == 0, output_of(result)
     return {"conf": (tmp_path / "worker.conf").read_text(), "calls": (bin_dir / "calls").read_text().splitlines()}
+
+
+@pytest.fixture(name="head", scope="module")
+def fixture_head(tmp_path_factory) -> dict:
+    return run_head(tmp_path_factory.mktemp("head"), HEAD_PLAN)
 
 
 def test_the_head_waits_for_its_rpc_servers_and_a_node_that_stays_down_stops_its_restarts(head):
@@ -254,3 +257,78 @@ def test_a_head_failed_at_its_start_limit_is_a_unit_the_failed_unit_alert_watche
     expr = alerts(render_rules())["BudgetgpuUnitFailed"]["expr"]
     selected = re.search(r'name=~"([^"]+)"', expr)
     assert selected and re.fullmatch(selected.group(1), unit) and 'state="failed"' in expr, (expr, unit)
+
+
+# The head's own GPUs where its llama-server has no GPU device (a build without a GPU backend): an RPC server of its
+# own on loopback, the last of --rpc, so that its layers land on its node as with a GPU build.
+OWN_PLAN = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32}, head_rpc=True)
+
+
+def test_llama_servers_device_list_tells_whether_the_head_serves_its_gpus_through_an_rpc_server_of_its_own():
+    server = "/usr/local/lib/budgetgpu/llama-server"
+
+    def probe(stdout: str) -> list[dict]:
+        return [{"item": {"src": "/c/ggml-rpc-server", "dest": "/x/ggml-rpc-server"}, "stdout": "usage"},
+                {"item": {"src": "/c/llama-server", "dest": server}, "stdout": stdout}]  # fmt: skip
+
+    # scripts/build-llama-server's CPU build, as it answers (llama-server --list-devices).
+    assert engines.llamacpp_head_rpc(probe("Available devices:\n  (none)\n"), server)
+    cuda = "Available devices:\n  CUDA0: NVIDIA GeForce RTX 3090 (24135 MiB, 23867 MiB free)\n"
+    assert not engines.llamacpp_head_rpc(probe(cuda), server)
+    # Not probed (check mode, no llama.cpp on the node): the plan as without the fact.
+    assert not engines.llamacpp_head_rpc([], server)
+
+
+def test_a_head_without_a_gpu_device_reaches_its_own_gpus_through_its_rpc_server_last_in_rpc_on_loopback():
+    worker = OWN_PLAN["workers"][0]
+    # node2's server, then the head's own: device order and tensor split as a head with GPUs has them.
+    assert [(s["host"], s["address"], s["port"], s["gpu_uuids"]) for s in worker["rpc_servers"]] == [
+        ("node2", "10.0.0.12", 8100, [UUIDS[0].replace("3090", "2090")]),
+        ("node1", "127.0.0.1", 8102, [UUIDS[0].replace("3090", "1090")]),
+    ]
+    assert worker["tensor_split"] == HEAD_PLAN["workers"][0]["tensor_split"] == [1, 1]
+    argv = engines.inference_llamacpp_command(SERVICE, worker, "/usr/local/lib/budgetgpu/llama-server")
+    assert argv[argv.index("--rpc") + 1] == "10.0.0.12:8100,127.0.0.1:8102", argv
+    # The plan's RPC servers on the head are its own (its units, firewall entry, state): one per worker.
+    assert [(s["unit"], s["port"], s["head"]) for s in OWN_PLAN["rpc_servers"]] == [
+        ("budgetgpu-infer-chat.rpc@0.service", 8102, "node1"),
+        ("budgetgpu-infer-chat.rpc@1.service", 8103, "node1"),
+    ]
+    # The wait before llama-server includes it; RPC nodes and a head with GPUs are as before.
+    assert engines.inference_rpc_wait_command(worker, 30)[-3:] == ["node1", "127.0.0.1", "8102"]
+    assert (
+        inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [], head_rpc=True)["rpc_servers"]
+        == (inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [])["rpc_servers"])
+    )
+    assert not HEAD_PLAN["rpc_servers"] and len(HEAD_PLAN["workers"][0]["rpc_servers"]) == 1
+
+
+def test_the_heads_own_rpc_ports_admit_its_services_user_from_the_node_alone():
+    entries = inference_firewall_ports([], [], ["monitor"], [], [OWN_PLAN])
+    text = render(entries, "budgetgpu_inference", passwd={"root": ["x", "0"], "budgetgpu-infer": ["x", "998"]})
+    assert rules(text) == [
+        "tcp dport { 8102, 8103 } ip saddr @chat_own_rpc_servers_of_node1_v4 accept",
+        "tcp dport { 8102, 8103 } ip6 saddr @chat_own_rpc_servers_of_node1_v6 accept",
+        'tcp dport { 8102, 8103 } counter reject with tcp reset comment "budgetgpu: chat own RPC servers of node1, the'
+        " head node1's own llama-server only\"",
+        "tcp dport { 8102, 8103 } ct state new fib daddr type local meta skuid != { 0, 998 } counter reject with tcp"
+        ' reset comment "budgetgpu: chat own RPC servers of node1, from this node root, budgetgpu-infer only"',
+    ]
+    # No host at all: loopback only.
+    assert "elements" not in sets(text)["chat_own_rpc_servers_of_node1_v4"]
+
+
+def test_the_heads_own_rpc_server_is_its_units_and_starts_before_its_llama_server(tmp_path, head):
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = {"test_repo": str(REPO), "test_out": str(out), "test_plan": OWN_PLAN}
+    result = run_playbook(tmp_path, PLAYBOOK, extra, host="node1")
+    assert result.returncode == 0, output_of(result)
+    conf = directives((out / "0.conf").read_text())
+    assert 'ExecStart="/usr/local/lib/budgetgpu/ggml-rpc-server" "--host" "127.0.0.1" "--port" "8102" "--cache"' in conf
+    assert f"Environment=CUDA_VISIBLE_DEVICES={UUIDS[0].replace('3090', '1090')} CUDA_DEVICE_ORDER=PCI_BUS_ID" in conf
+    own = run_head(tmp_path / "head", OWN_PLAN)["conf"]
+    unit_section = own[own.index("[Unit]") :]
+    assert "Wants=budgetgpu-infer-chat.rpc@0.service" in unit_section
+    assert "After=budgetgpu-infer-chat.rpc@0.service" in unit_section
+    assert "Wants=" not in head["conf"]  # a head with GPUs: its RPC servers are on other nodes
