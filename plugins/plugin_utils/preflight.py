@@ -46,6 +46,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     SHARDED,
     STATE_PRECISIONS,
     STATES,
+    STORE_PORT_OFFSET,
     USER_NAME,
     image_bads,
     in_directory,
@@ -63,6 +64,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # The nightly run (safe mode): a node that is down is reported, the others go on.
     "down_nodes_ok": False,
 }
+STORE_PORT_DEFAULT = f"default: port + {STORE_PORT_OFFSET}"
 MIXED_GPUS_HINT = "faster GPUs wait for slower ones in DDP; set allow_mixed_gpus: true to accept it"
 
 Problem = dict[str, Any]
@@ -144,9 +146,9 @@ def _bad_numbers(job: Mapping[str, Any]) -> Iterator[Bad]:
         yield "nproc_per_node", nproc, '"gpu" (the node\'s GPU count) or a number of 1 or more', ""
     for key in PORT_KEYS:
         if not _is_int(job.get(key)) or not 1 <= job[key] <= 65535:
-            yield key, job.get(key), "a TCP port from 1 to 65535", "" if key == "port" else "default: port + 1000"
+            yield key, job.get(key), "a TCP port from 1 to 65535", "" if key == "port" else STORE_PORT_DEFAULT
     if _is_int(job.get("port")) and job.get("store_port") == job["port"]:
-        yield "store_port", job["port"], "a port other than the job's port (the agents' store, not the workers')", ""
+        yield "store_port", job["port"], "a port other than the job's port, where its agents' store listens", ""
     if job.get("rendezvous") not in RENDEZVOUS:
         hint = "c10d: elastic rendezvous on the master; static: fixed node ranks as in the guide"
         yield "rendezvous", job.get("rendezvous"), f"one of {', '.join(RENDEZVOUS)}", hint
@@ -511,7 +513,7 @@ def _check_store_port(job: Mapping[str, Any], probed: list[str], nodes: Mapping[
         low, high = nodes[host].get("ephemeral_ports") or (0, -1)
         if _is_int(port) and low <= port <= high:
             expected = f"a port outside {host}'s ephemeral range {low}-{high} (net.ipv4.ip_local_port_range)"
-            hint = "the kernel hands those out to any connection; default: port + 1000"
+            hint = f"the kernel hands those out to any connection; {STORE_PORT_DEFAULT}"
             problems.append(_problem(host, job.get("name"), "store_port", port, expected, hint))
     return problems
 
@@ -553,9 +555,11 @@ def _check_ports(jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]])
     for i, job in enumerate(active):
         for other in active[:i]:
             shared = [h for h in job_hosts(job, groups) if h in job_hosts(other, groups)]
+            if not shared:
+                continue
             clashes = [(key, other_key) for key in PORT_KEYS for other_key in PORT_KEYS
                        if _is_int(job.get(key)) and job[key] == other.get(other_key)]  # fmt: skip
-            for key, other_key in clashes if shared else []:
+            for key, other_key in clashes:
                 expected = f"a port other than {job[key]}, which job {other.get('name')} uses on these nodes"
                 expected += "" if other_key == "port" else f" as its {other_key}"
                 hint = "give every job its own port" + ("" if key == other_key == "port" else " and store_port")
