@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import JOB_DEFAULTS, JOB_KEYS
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
 
@@ -41,7 +42,19 @@ def test_the_argument_spec_documents_the_job_defaults_of_the_job_model():
     spec = yaml.safe_load((REPO / "roles/torchrun/meta/argument_specs.yml").read_text())
     options = spec["argument_specs"]["main"]["options"]["torchrun_jobs"]["options"]
     assert set(options) == JOB_KEYS
-    assert {key: options[key].get("default") for key in JOB_DEFAULTS} == JOB_DEFAULTS
+    # A dict of options says its default {} as apply_defaults (test below).
+    documented = {
+        key: options[key].get("default", {} if options[key].get("apply_defaults") else None) for key in JOB_DEFAULTS
+    }
+    assert documented == JOB_DEFAULTS
+
+
+def test_the_argument_spec_takes_two_jobs_without_a_model():
+    # A `default: {}` of model was filled in place by the first job, and the second job's model was refused.
+    spec = yaml.safe_load((REPO / "roles/torchrun/meta/argument_specs.yml").read_text())
+    validator = ArgumentSpecValidator(spec["argument_specs"]["main"]["options"])
+    result = validator.validate({"torchrun_jobs": [JOB, {**JOB, "name": "other"}]})
+    assert result.error_messages == []
 
 
 def test_the_job_user_is_torchrun_user_then_budgetgpu_user(tmp_path: Path):
