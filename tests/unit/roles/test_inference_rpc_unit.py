@@ -78,7 +78,10 @@ PLAYBOOK = """\
 """
 
 
-def rendered(tmp_path: Path) -> dict[str, str]:
+@pytest.fixture(name="files", scope="module")
+def fixture_files(tmp_path_factory) -> dict[str, str]:
+    """node2's RPC unit and drop-ins as the role renders them (one playbook run for the module)."""
+    tmp_path = tmp_path_factory.mktemp("rpc")
     plan = inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [])
     out = tmp_path / "out"
     out.mkdir()
@@ -93,8 +96,7 @@ def directives(text: str) -> list[str]:
     return [line for line in text.splitlines() if line and not line.startswith(("#", "["))]
 
 
-def test_the_rpc_server_runs_as_the_workers_user_in_the_workers_sandbox(tmp_path):
-    files = rendered(tmp_path)
+def test_the_rpc_server_runs_as_the_workers_user_in_the_workers_sandbox(files):
     unit = directives(files["unit"])
     assert "User=budgetgpu-infer" in unit and "Group=budgetgpu-infer" in unit
     # The workers' sandbox, from the one template both units include.
@@ -110,9 +112,8 @@ def test_the_rpc_server_runs_as_the_workers_user_in_the_workers_sandbox(tmp_path
 
 
 def test_each_rpc_server_is_pinned_to_its_gpus_listens_on_the_cluster_address_and_caches_in_its_own_directory(
-    tmp_path,
+    files,
 ):
-    files = rendered(tmp_path)
     for slot in (0, 1):
         conf = directives(files[f"{slot}.conf"])
         uuid = UUIDS[slot].replace("3090", "2090")
