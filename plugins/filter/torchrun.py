@@ -36,6 +36,7 @@ systemd_show = jobs.systemd_show
 running_units = jobs.running_units
 torchrun_job_status = jobs.torchrun_job_status
 torchrun_image_problems = as_filter(jobs.torchrun_image_problems)
+torchrun_image_differences = as_filter(jobs.torchrun_image_differences)
 torchrun_images_found = jobs.images_found
 torchrun_image_environment = jobs.image_environment
 torchrun_engine_user_problems = jobs.engine_user_problems
@@ -50,6 +51,7 @@ class FilterModule:
             "torchrun_jobs_normalize": torchrun_jobs_normalize,
             "torchrun_plan": torchrun_plan,
             "torchrun_image_problems": torchrun_image_problems,
+            "torchrun_image_differences": torchrun_image_differences,
             "torchrun_images_found": torchrun_images_found,
             "torchrun_image_environment": torchrun_image_environment,
             "torchrun_engine_user_problems": torchrun_engine_user_problems,

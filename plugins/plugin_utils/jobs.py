@@ -588,6 +588,33 @@ def images_found(results: list[Mapping[str, Any]] | None) -> dict[str, dict[str,
     return found
 
 
+def torchrun_image_differences(
+    jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
+) -> list[str]:
+    """Return why image jobs cannot start, before any node pulls or loads an image: a job whose nodes name
+    different images (a host's or a group's vars give one node another image, or another tarball and digest).
+    Such a node would load and run its own image; after the load, torchrun_image_problems would find this host's
+    image missing there, though the node may hold it. Each node this run looked at reports its jobs' images as
+    the fact budgetgpu_job_image_plan ({job name: its image key}, from its own job list)."""
+    problems = []
+    for job in jobs:
+        if job.get("state") == "absent" or job_image(job) is None:
+            continue
+        named = {}
+        for host in job_hosts(job, groups):
+            plan = fact(hostvars, host, "budgetgpu_job_image_plan")
+            if plan is not None:
+                image = job_image({**job, "image": plan.get(job.get("name"))})
+                named[host] = f"{image['digest']} ({image['tarball'] or image['ref']})" if image else "no image"
+        if len({value.partition(" ")[0] for value in named.values()}) > 1:
+            listed = ", ".join(f"{host}: {value}" for host, value in sorted(named.items()))
+            problems.append(
+                f"job {job.get('name')}: its nodes name different images ({listed}): every node must run the same "
+                "image (a host's or a group's vars name another for some)"
+            )
+    return problems
+
+
 def torchrun_image_problems(
     jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
 ) -> list[str]:

@@ -12,6 +12,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     image_environment,
     images_found,
     job_image,
+    torchrun_image_differences,
     torchrun_image_problems,
     torchrun_jobs_normalize,
     torchrun_plan,
@@ -144,6 +145,32 @@ def test_an_image_that_differs_between_nodes_is_refused_naming_both():
         f"job main: image {PINNED} differs between nodes (node0: sha256:{'cd' * 32}, node1: {other}): "
         "every node must run the same image"
     )
+
+
+def test_nodes_that_name_different_images_for_a_job_are_refused_before_any_load():
+    # The demo cluster: node1's job named the wheelhouse image's tarball, node2's vars another tarball and digest.
+    # After the load, torchrun_image_problems called node1's image missing on node2, which held it.
+    mine = {"tarball": "/srv/a.tar", "digest": f"sha256:{HEX}"}
+    other = {"tarball": "/srv/b.tar", "digest": "sha256:" + "ef" * 32}
+    jobs = torchrun_jobs_normalize([{**JOB, "image": mine}])
+    hostvars = {
+        "node0": {"budgetgpu_job_image_plan": {"main": mine}},
+        "node1": {"budgetgpu_job_image_plan": {"main": other}},
+    }
+    assert torchrun_image_differences(jobs, GROUPS, hostvars) == [
+        f"job main: its nodes name different images (node0: sha256:{HEX} (/srv/a.tar), node1: sha256:{'ef' * 32} "
+        "(/srv/b.tar)): every node must run the same image (a host's or a group's vars name another for some)"
+    ]
+    # A venv job on one node is another image too; the same digest from another path is the same image.
+    hostvars["node1"] = {"budgetgpu_job_image_plan": {"main": None}}
+    (problem,) = torchrun_image_differences(jobs, GROUPS, hostvars)
+    assert "node1: no image)" in problem
+    hostvars["node1"] = {"budgetgpu_job_image_plan": {"main": {**mine, "tarball": "/mnt/a.tar"}}}
+    assert torchrun_image_differences(jobs, GROUPS, hostvars) == []
+    # A node this run did not look at is not judged; venv jobs and absent jobs name no image.
+    assert torchrun_image_differences(jobs, GROUPS, {"node0": hostvars["node0"]}) == []
+    venv_and_absent = torchrun_jobs_normalize([{**JOB, "image": None}, {**JOB, "name": "gone", "state": "absent"}])
+    assert torchrun_image_differences(venv_and_absent, GROUPS, {"node1": {"budgetgpu_job_image_plan": {}}}) == []
 
 
 def test_an_image_of_a_newer_cuda_than_a_nodes_driver_is_refused_with_both_versions():
