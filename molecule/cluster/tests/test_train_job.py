@@ -192,11 +192,14 @@ def recap_changed(output: str) -> dict[str, int]:
 
 
 def store_listener() -> tuple[str, str]:
-    """(node, pid) of the one process listening on the workers' store port: rank 0's worker, on the node that is
-    rank 0 of the rendezvous."""
-    found = [(node, m[1]) for node in NODES
-             if (m := re.search(r"pid=(\d+)", sh(node, f"ss -Hltnp 'sport = :{STORE_PORT}'")))]  # fmt: skip
-    assert len(found) == 1, found
+    """(node, socket inode) of the one listener on the workers' store port: rank 0's worker's, on the node that is
+    rank 0 of the rendezvous. By ss -e (the socket's uid and inode): root in these containers has no CAP_SYS_PTRACE,
+    and ss -p names no process of another user."""
+    lines = {node: sh(node, f"ss -Hltne 'sport = :{STORE_PORT}'") for node in NODES}
+    found = [(node, m[1]) for node, line in lines.items() if (m := re.search(r"\bino:(\d+)", line))]
+    assert len(found) == 1, lines
+    budgetgpu = sh(found[0][0], "id -u budgetgpu").strip()
+    assert f" uid:{budgetgpu} " in lines[found[0][0]], lines  # the job's worker listens, no one else
     return found[0]
 
 
@@ -436,13 +439,13 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     # port torch picked. The job's user reaches it from that node; another local user gets a reset (the training
     # table's chain output), as it would from an ephemeral port before.
     started = time.monotonic()
-    node, store_pid = store_listener()
-    assert store_pid != store_before[1], (store_before, store_pid)
+    node, store_socket = store_listener()
+    assert store_socket != store_before[1], (store_before, store_socket)  # a new round's listener, on the same port
     address = sh(node, "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1").split()[0]
     connect = f"python3 -c {shlex.quote(CONNECT)} {address} {STORE_PORT}"
     assert sh(node, f"runuser -u budgetgpu -- {connect}").strip() == "connected"
     assert sh(node, f"runuser -u nobody -- {connect}").strip() == "ConnectionRefusedError"
-    print(f"store port: {node} pid {store_pid} on {STORE_PORT}, checked in {time.monotonic() - started:.1f} s")
+    print(f"store port: {node} listens on {STORE_PORT} again, checked in {time.monotonic() - started:.1f} s")
 
 
 def test_a_rebooted_node_starts_the_job_at_boot_and_it_resumes(reboot):
