@@ -250,7 +250,11 @@ def test_an_rpc_node_that_stays_down_fails_the_head_at_its_start_limit_and_the_r
         reason = f"the llama.cpp RPC server of node {OTHER} ({addresses[OTHER]} port {SPAN_PORT}) does not answer"
         assert f"{reason} after 5 s" in journal, journal[-3000:]
         status = " ".join(sh(GATEWAY, f"systemctl status -l -n 60 --no-pager {HEAD}", check=False).split())
-        waited = f"rpc-wait 5 {OTHER} {addresses[OTHER]} {SPAN_PORT} (code=exited, status=1/FAILURE)"
+        # (node2's server, then the head's own: the wait's arguments in --rpc order.)
+        waited = (
+            f"rpc-wait 5 {OTHER} {addresses[OTHER]} {SPAN_PORT} {GATEWAY} 127.0.0.1 {OWN_PORT} "
+            "(code=exited, status=1/FAILURE)"
+        )
         assert waited in status and LIMIT_HIT in status, status
         # The alert on the head's /metrics that no longer answer (pending for prometheus_alert_for, then firing).
         alerts = wait_for("span's head in ALERTS", span_alerts, timeout=20)
