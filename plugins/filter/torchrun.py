@@ -38,6 +38,7 @@ torchrun_job_status = jobs.torchrun_job_status
 torchrun_image_problems = as_filter(jobs.torchrun_image_problems)
 torchrun_image_differences = as_filter(jobs.torchrun_image_differences)
 torchrun_images_found = jobs.images_found
+torchrun_image_tarball_problems = jobs.image_tarball_problems
 torchrun_image_environment = jobs.image_environment
 torchrun_engine_user_problems = jobs.engine_user_problems
 
@@ -53,6 +54,7 @@ class FilterModule:
             "torchrun_image_problems": torchrun_image_problems,
             "torchrun_image_differences": torchrun_image_differences,
             "torchrun_images_found": torchrun_images_found,
+            "torchrun_image_tarball_problems": torchrun_image_tarball_problems,
             "torchrun_image_environment": torchrun_image_environment,
             "torchrun_engine_user_problems": torchrun_engine_user_problems,
             "torchrun_masters_unknown": torchrun_masters_unknown,

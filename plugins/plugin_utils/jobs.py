@@ -588,6 +588,34 @@ def images_found(results: list[Mapping[str, Any]] | None) -> dict[str, dict[str,
     return found
 
 
+def image_tarball_problems(results: list[Mapping[str, Any]] | None, host: str) -> list[str]:
+    """Return why a job's tarball is not its image, before the tarball is copied or loaded: the results of `tar
+    --extract --to-stdout --file TARBALL manifest.json` on the control node, looped over the node's first
+    inspects of its missing tarball images (item: the inspect's result, whose item is job_image's dict). docker
+    save's manifest names each image's config, whose SHA-256 is the image's id (Config: "<hex>.json", or
+    "blobs/sha256/<hex>" from Docker 25); a tarball without one, or whose ids miss the job's digest, is refused.
+    Once loaded, such an image would stay in the node's Docker though no job names it."""
+    problems = []
+    for result in results or []:
+        image = result["item"]["item"]
+        what = f"{host}: image tarball {image['tarball']}"
+        try:
+            entries = json.loads(result.get("stdout") or "") if result.get("rc") == 0 else None
+            ids = [f"sha256:{str(entry['Config']).rsplit('/', 1)[-1].removesuffix('.json')}" for entry in entries]
+        except (TypeError, KeyError, ValueError):
+            said = (result.get("stderr") or "").strip().splitlines()[-1:] or ["unreadable"]
+            problems.append(
+                f"{what}: no manifest.json of docker save in it ({said[0]}): expected `docker save`'s tarball"
+            )
+            continue
+        if image["digest"] not in ids:
+            problems.append(
+                f"{what} holds image {', '.join(ids) or 'none'}, not the job's {image['digest']}: docker load would "
+                "give no image of that id (scripts/build-job-image prints a tarball and its id)"
+            )
+    return problems
+
+
 def torchrun_image_differences(
     jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
 ) -> list[str]:

@@ -5,8 +5,8 @@ trainer runs in it on one node with 2 ranks (gloo). node2's engine is a dummy, s
 second real engine and a second load and unpack of a 1 GB image: the rendezvous across nodes is the cluster
 scenario's (a venv job), the image job's unit is the same unit with RootDirectory=. A killed rank resumes
 from its checkpoint; the job user finds no engine, cannot read the unpacked image on the host, and cannot
-write /etc or /usr in its unit; a tarball whose image is not the digest named is refused with no unit
-changed; the job stops on request; once no job names the image, its directory and Docker's copy go.
+write /etc or /usr in its unit; a tarball whose image is not the digest named is refused from its manifest,
+neither copied nor loaded, with no unit changed; the job stops on request; once no job names the image, its directory and Docker's copy go.
 
 The tests run in file order, each leaving the job as the next expects."""
 
@@ -175,10 +175,23 @@ def test_a_tarball_of_another_image_is_refused_with_no_unit_changed(playbook, tm
     wrong = "sha256:" + "e" * 64
     unit_before = sh(f"sha256sum /etc/systemd/system/{UNIT} /etc/budgetgpu/jobs/{JOB}.env").stdout
     pid = show("MainPID")
+    other_id = json.loads(
+        subprocess.run(
+            ["tar", "--extract", "--to-stdout", "--file", str(other), "manifest.json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )[0]["Config"]
+    other_id = "sha256:" + other_id.rsplit("/", 1)[-1].removesuffix(".json")
     done = playbook("train.yml", "-e", job({"tarball": str(other), "digest": wrong}))
     assert done.returncode != 0
-    assert "image jobs refused: no unit was changed" in done.stdout, done.stdout[-3000:]
-    assert f"docker load gave no image of id {wrong}" in done.stdout, done.stdout[-3000:]
+    # Refused from the tarball's manifest on the control node: neither copied nor loaded, so not left in Docker.
+    assert "image jobs refused: no image was loaded, no unit was changed" in done.stdout, done.stdout[-3000:]
+    assert f"holds image {other_id}, not the job's {wrong}: docker load would give no image" in done.stdout
+    assert sh(f"docker image inspect {other_id}", check=False).returncode != 0
+    assert sh(f"ls -A {IMAGES}/{wrong.partition(':')[2]}", check=False).stdout.split() == []
     assert sh(f"sha256sum /etc/systemd/system/{UNIT} /etc/budgetgpu/jobs/{JOB}.env").stdout == unit_before
     assert show("MainPID") == pid
 

@@ -10,6 +10,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     image_bads,
     image_cuda,
     image_environment,
+    image_tarball_problems,
     images_found,
     job_image,
     torchrun_image_differences,
@@ -207,3 +208,38 @@ def test_the_nodes_images_are_what_docker_inspect_found():
             "env": ["PATH=/usr/bin", "CUDA_VERSION=12.1.1"],
         }
     }
+
+
+def tarball_read(manifest: object, digest: str = f"sha256:{HEX}", rc: int = 0, stderr: str = "") -> dict:
+    """A result of the tar that reads a tarball's manifest.json on the control node, looped over a node's first
+    inspects of its missing images (item: the inspect's result; its item: the image)."""
+    image = {"tarball": "/srv/images/train.tar.gz", "digest": digest}
+    stdout = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    return {"rc": rc, "stdout": stdout, "stderr": stderr, "item": {"rc": 1, "item": image}}
+
+
+def test_a_tarball_is_its_jobs_image_when_its_manifest_names_that_id_as_docker_save_writes_it():
+    # docker save before Docker 25 (Debian's docker.io) and from Docker 25 (its OCI layout's blobs).
+    old = [{"Config": f"{HEX}.json", "RepoTags": ["train:v1"], "Layers": ["0d15/layer.tar"]}]
+    new = [{"Config": f"blobs/sha256/{HEX}", "RepoTags": ["train:v1"], "Layers": ["blobs/sha256/0d15"]}]
+    two = [{"Config": f"{'cd' * 32}.json"}, *old]
+    assert image_tarball_problems([tarball_read(old), tarball_read(new), tarball_read(two)], "node1") == []
+
+
+def test_a_tarball_of_another_image_or_of_no_image_is_refused_naming_node_tarball_and_ids():
+    other = [{"Config": f"{'cd' * 32}.json", "RepoTags": ["other:test"]}]
+    read_error = "tar: manifest.json: Not found in archive\ntar: Exiting with failure status due to previous errors"
+    assert image_tarball_problems(
+        [tarball_read(other), tarball_read("", rc=2, stderr=read_error), tarball_read("not json"),
+         tarball_read({"Config": "x"})],
+        "node1",
+    ) == [
+        f"node1: image tarball /srv/images/train.tar.gz holds image sha256:{'cd' * 32}, not the job's sha256:{HEX}: "
+        "docker load would give no image of that id (scripts/build-job-image prints a tarball and its id)",
+        "node1: image tarball /srv/images/train.tar.gz: no manifest.json of docker save in it (tar: Exiting with "
+        "failure status due to previous errors): expected `docker save`'s tarball",
+        "node1: image tarball /srv/images/train.tar.gz: no manifest.json of docker save in it (unreadable): expected "
+        "`docker save`'s tarball",
+        "node1: image tarball /srv/images/train.tar.gz: no manifest.json of docker save in it (unreadable): expected "
+        "`docker save`'s tarball",
+    ]  # fmt: skip
