@@ -6,7 +6,8 @@ second real engine and a second load and unpack of a 1 GB image: the rendezvous 
 scenario's (a venv job), the image job's unit is the same unit with RootDirectory=. A killed rank resumes
 from its checkpoint; the job user finds no engine, cannot read the unpacked image on the host, and cannot
 write /etc or /usr in its unit; a tarball whose image is not the digest named is refused from its manifest,
-neither copied nor loaded, with no unit changed; the job stops on request; once no job names the image, its directory and Docker's copy go.
+neither copied nor loaded, with no unit changed; the job stops on request; once no job names the image, its
+directory and Docker's copy go.
 
 The tests run in file order, each leaving the job as the next expects."""
 
