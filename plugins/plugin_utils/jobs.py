@@ -616,6 +616,14 @@ def image_tarball_problems(results: list[Mapping[str, Any]] | None, host: str) -
     return problems
 
 
+def _image_jobs(jobs: list[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, Any], dict[str, Any]]]:
+    """Yield (job, job_image) for each job that runs in an image and is not absent."""
+    for job in jobs:
+        image = job_image(job) if job.get("state") != "absent" else None
+        if image is not None:
+            yield job, image
+
+
 def torchrun_image_differences(
     jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
 ) -> list[str]:
@@ -625,9 +633,7 @@ def torchrun_image_differences(
     image missing there, though the node may hold it. Each node this run looked at reports its jobs' images as
     the fact budgetgpu_job_image_plan ({job name: its image key}, from its own job list)."""
     problems = []
-    for job in jobs:
-        if job.get("state") == "absent" or job_image(job) is None:
-            continue
+    for job, _image in _image_jobs(jobs):
         named = {}
         for host in job_hosts(job, groups):
             plan = fact(hostvars, host, "budgetgpu_job_image_plan")
@@ -652,10 +658,7 @@ def torchrun_image_problems(
     budgetgpu_job_images ({digest: {id, cuda, env}}, images_found after the pull or load), and its driver in
     budgetgpu_gpus."""
     problems = []
-    for job in jobs:
-        image = job_image(job) if job.get("state") != "absent" else None
-        if image is None:
-            continue
+    for job, image in _image_jobs(jobs):
         # A node this run did not look at (no fact: outside the play, or an ansible-pull run of another node)
         # is not judged; one that looked and has no such image is.
         seen_by = {host: fact(hostvars, host, "budgetgpu_job_images") for host in job_hosts(job, groups)}
