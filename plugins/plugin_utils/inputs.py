@@ -103,7 +103,6 @@ ROLE_FACTS = frozenset(
         "budgetgpu_device_allow",
         "budgetgpu_jobs",
         "budgetgpu_job_images",
-        "budgetgpu_job_image_plan",
         "budgetgpu_inference_services",
         "budgetgpu_preflight_scripts",
         "budgetgpu_preflight_jobs_digest",

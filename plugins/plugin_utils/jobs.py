@@ -624,24 +624,35 @@ def _image_jobs(jobs: list[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, An
             yield job, image
 
 
+def _named_image(hostvars: Mapping[str, Any], host: str, name: Any) -> tuple[str | None, str] | None:
+    """Return (digest, what the host's own job list names) for its job name: (None, ...) for a venv job; None where
+    the host has no job list in this run (budgetgpu_jobs: outside the play), no such job, has it absent, or names a
+    bad image key (preflight refuses that one, naming the key)."""
+    theirs = next((job for job in fact(hostvars, host, "budgetgpu_jobs") or [] if job.get("name") == name), None)
+    if theirs is None or theirs.get("state") == "absent" or next(image_bads(theirs), None):
+        return None
+    image = job_image(theirs)
+    if image is None:
+        return None, "no image: the venv"
+    return image["digest"], f"{image['digest']} ({image['tarball'] or image['ref']})"
+
+
 def torchrun_image_differences(
     jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
 ) -> list[str]:
-    """Return why image jobs cannot start, before any node pulls or loads an image: a job whose nodes name
-    different images (a host's or a group's vars give one node another image, or another tarball and digest).
-    Such a node would load and run its own image; after the load, torchrun_image_problems would find this host's
-    image missing there, though the node may hold it. Each node this run looked at reports its jobs' images as
-    the fact budgetgpu_job_image_plan ({job name: its image key}, from its own job list)."""
+    """Return why jobs cannot start, before anything changes: a job whose nodes name different images (a host's or
+    a group's vars give one node another image, another tarball and digest, or none). Such a node would run its
+    own image, or its ranks in the venv beside the others' in the image. Each node's own job list is its fact
+    budgetgpu_jobs (tasks/jobs.yml, worked out once a run); every node of a job reads all of theirs, a venv job's
+    too, so that each of them refuses."""
     problems = []
-    for job, _image in _image_jobs(jobs):
-        named = {}
-        for host in job_hosts(job, groups):
-            plan = fact(hostvars, host, "budgetgpu_job_image_plan")
-            if plan is not None:
-                image = job_image({**job, "image": plan.get(job.get("name"))})
-                named[host] = f"{image['digest']} ({image['tarball'] or image['ref']})" if image else "no image"
-        if len({value.partition(" ")[0] for value in named.values()}) > 1:
-            listed = ", ".join(f"{host}: {value}" for host, value in sorted(named.items()))
+    for job in jobs:
+        if job.get("state") == "absent":
+            continue
+        named = {host: _named_image(hostvars, host, job.get("name")) for host in job_hosts(job, groups)}
+        named = {host: image for host, image in named.items() if image is not None}
+        if len({digest for digest, _ in named.values()}) > 1:
+            listed = ", ".join(f"{host}: {said}" for host, (_, said) in sorted(named.items()))
             problems.append(
                 f"job {job.get('name')}: its nodes name different images ({listed}): every node must run the same "
                 "image (a host's or a group's vars name another for some)"

@@ -148,30 +148,52 @@ def test_an_image_that_differs_between_nodes_is_refused_naming_both():
     )
 
 
+def job_lists(**lists):
+    """hostvars of nodes whose own job lists (the fact budgetgpu_jobs, every default applied) are the given jobs."""
+    return {host: {"budgetgpu_jobs": torchrun_jobs_normalize(jobs)} for host, jobs in lists.items()}
+
+
 def test_nodes_that_name_different_images_for_a_job_are_refused_before_any_load():
     # The demo cluster: node1's job named the wheelhouse image's tarball, node2's vars another tarball and digest.
     # After the load, torchrun_image_problems called node1's image missing on node2, which held it.
     mine = {"tarball": "/srv/a.tar", "digest": f"sha256:{HEX}"}
     other = {"tarball": "/srv/b.tar", "digest": "sha256:" + "ef" * 32}
     jobs = torchrun_jobs_normalize([{**JOB, "image": mine}])
-    hostvars = {
-        "node0": {"budgetgpu_job_image_plan": {"main": mine}},
-        "node1": {"budgetgpu_job_image_plan": {"main": other}},
-    }
+    hostvars = job_lists(node0=[{**JOB, "image": mine}], node1=[{**JOB, "image": other}])
     assert torchrun_image_differences(jobs, GROUPS, hostvars) == [
         f"job main: its nodes name different images (node0: sha256:{HEX} (/srv/a.tar), node1: sha256:{'ef' * 32} "
         "(/srv/b.tar)): every node must run the same image (a host's or a group's vars name another for some)"
     ]
-    # A venv job on one node is another image too; the same digest from another path is the same image.
-    hostvars["node1"] = {"budgetgpu_job_image_plan": {"main": None}}
-    (problem,) = torchrun_image_differences(jobs, GROUPS, hostvars)
-    assert "node1: no image)" in problem
-    hostvars["node1"] = {"budgetgpu_job_image_plan": {"main": {**mine, "tarball": "/mnt/a.tar"}}}
+    # The same digest from another path is the same image.
+    hostvars.update(job_lists(node1=[{**JOB, "image": {**mine, "tarball": "/mnt/a.tar"}}]))
     assert torchrun_image_differences(jobs, GROUPS, hostvars) == []
-    # A node this run did not look at is not judged; venv jobs and absent jobs name no image.
+    # A node this run did not look at (no job list), or whose list lacks the job or has it absent, is not judged;
+    # absent jobs name no image.
     assert torchrun_image_differences(jobs, GROUPS, {"node0": hostvars["node0"]}) == []
-    venv_and_absent = torchrun_jobs_normalize([{**JOB, "image": None}, {**JOB, "name": "gone", "state": "absent"}])
-    assert torchrun_image_differences(venv_and_absent, GROUPS, {"node1": {"budgetgpu_job_image_plan": {}}}) == []
+    assert torchrun_image_differences(jobs, GROUPS, {**hostvars, **job_lists(node1=[])}) == []
+    gone = [{**JOB, "image": other, "state": "absent"}]
+    assert torchrun_image_differences(jobs, GROUPS, {**hostvars, **job_lists(node1=gone)}) == []
+    assert torchrun_image_differences(torchrun_jobs_normalize(gone), GROUPS, job_lists(node0=[JOB], node1=[])) == []
+    # A bad image key on a node is preflight's to refuse, naming the key: not judged here.
+    tag = [{**JOB, "image": "nvidia/cuda:12.1.1-runtime-ubuntu22.04"}]
+    assert torchrun_image_differences(jobs, GROUPS, {**hostvars, **job_lists(node1=tag)}) == []
+
+
+def test_a_node_whose_own_job_list_runs_the_job_in_the_venv_is_refused_on_every_node_of_the_job():
+    # node1's vars give it the job without image: it has no image job, so it never reads the images; its ranks
+    # would run in the venv beside node0's in the image. Each node's check reads every node's list: node0 with
+    # its image job refuses, and node1 with its venv job refuses too, each naming both nodes.
+    hostvars = job_lists(node0=[JOB], node1=[{**JOB, "image": None}])
+    expected = [
+        f"job main: its nodes name different images (node0: sha256:{HEX} (nvcr.io/nvidia/pytorch@sha256:{HEX}), "
+        "node1: no image: the venv): every node must run the same image (a host's or a group's vars name another "
+        "for some)"
+    ]
+    for host in GROUPS["gpu_nodes"]:
+        assert torchrun_image_differences(hostvars[host]["budgetgpu_jobs"], GROUPS, hostvars) == expected
+    # A venv job on every node names no image: nothing to refuse.
+    venv = job_lists(node0=[{**JOB, "image": None}], node1=[{**JOB, "image": None}])
+    assert torchrun_image_differences(venv["node0"]["budgetgpu_jobs"], GROUPS, venv) == []
 
 
 def test_an_image_of_a_newer_cuda_than_a_nodes_driver_is_refused_with_both_versions():
