@@ -12,9 +12,10 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.filter_errors im
 
 def nccl_network_plan(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Return role nccl_network's plan on one node: {absent, recorded, member_records, member_addresses,
-    member_lines, absent_report, problems}. inputs: those of nccl_network_problems but absent,
-    member_records and recorded, and hostvars, play_hosts_all, play_hosts, record (the text of this
-    node's firewall file, empty when it was not read)."""
+    member_lines, firewall_ports, absent_report, problems}. inputs: those of nccl_network_problems but absent,
+    member_records and recorded, those of nccl_firewall_ports (jobs, groups, user, test_ports,
+    allowed_sources), and hostvars, play_hosts_all, play_hosts, record (the text of this node's firewall
+    file, empty when it was not read)."""
     members, hostvars = list(inputs.get("members") or []), inputs.get("hostvars")
     absent = _nccl.nccl_absent_members(members, hostvars, inputs.get("play_hosts_all"), inputs.get("play_hosts"))
     recorded = _nccl.nccl_recorded_members(inputs.get("record"))
@@ -26,6 +27,7 @@ def nccl_network_plan(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "member_records": records,
         "member_addresses": _nccl.nccl_record_addresses(records),
         "member_lines": _nccl.nccl_member_lines(records),
+        "firewall_ports": _nccl.nccl_firewall_ports(inputs, records),
         "absent_report": _nccl.nccl_absent_report(absent, records, kept_in or ""),
         "problems": _nccl.nccl_network_problems(
             {**inputs, "absent": absent, "member_records": records, "recorded": recorded}

@@ -2,7 +2,9 @@
 (net_facts, as the training table takes its members; a host without facts in this run keeps the addresses
 the table's file recorded last time, and is reported stale) and the extra addresses or networks; from the
 node itself, root and the local users the caller names (the socket's owner, nftables `meta skuid`), or every
-local user where the caller names none. Controller side, pure over hostvars."""
+local user where the caller names none; where the caller asks (local_to_hosts), those users alone also connect
+from the node to the port on its hosts (the client's side, where both ends run the table). Controller side, pure
+over hostvars."""
 
 from __future__ import annotations
 
@@ -42,18 +44,23 @@ def scraper_addresses(
 
 
 def _local_users(entry: Mapping[str, Any], passwd: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return {local, local_uids, local_unknown} of an entry: local None (every local user may connect, as
-    Slurm's ports need for every user's srun) or its user names; the uids that may connect from the node
-    (root's 0 first, then the users' from getent's passwd: {name: [password, uid, ...]}); names not in it."""
+    """Return {local, local_uids, local_unknown, local_to_hosts} of an entry: local None (every local user may
+    connect, as Slurm's ports need for every user's srun) or its user names; the uids that may connect from the
+    node (root's 0 first, then the users' from getent's passwd: {name: [password, uid, ...]}); names not in it;
+    whether the same users only may also connect to the entry's hosts and extra addresses (local_to_hosts)."""
     names = entry.get("local")
+    to_hosts = bool(entry.get("local_to_hosts"))
     if names is None:
-        return {"local": None, "local_uids": None, "local_unknown": []}
+        if to_hosts:
+            raise ValueError(f"firewall {entry.get('what')}: local_to_hosts: found true, expected local users too")
+        return {"local": None, "local_uids": None, "local_unknown": [], "local_to_hosts": False}
     if isinstance(names, str) or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"firewall {entry.get('what')}: local: found {names!r}, expected a list of user names")
     # getent with a key that is not found (fail_key: false) leaves the name with None in the fact.
     users = {name: fields for name, fields in (passwd or {}).items() if fields}
     uids = sorted({int(users[name][1]) for name in names if name in users} - {0})
-    return {"local": list(names), "local_uids": [0, *uids], "local_unknown": [n for n in names if n not in users]}
+    unknown = [n for n in names if n not in users]
+    return {"local": list(names), "local_uids": [0, *uids], "local_unknown": unknown, "local_to_hosts": to_hosts}
 
 
 def firewall_rules(
@@ -68,7 +75,8 @@ def firewall_rules(
     addresses: {ipv4, ipv6, unknown}), records (host_records of its hosts, what the file records for the
     next run), stale (its hosts without facts whose recorded addresses are used), name (its nft sets'
     prefix, from `what` unless given), verdict (reject with a TCP reset unless given: the client learns at
-    once) and the local users of _local_users. ``recorded`` is the table file's text of the last run."""
+    once) and the local users of _local_users (local_to_hosts: they alone also to the entry's hosts and extra
+    addresses). ``recorded`` is the table file's text of the last run."""
     previous = nccl_recorded_members(recorded)
     rules = []
     for entry in ports or []:
@@ -82,6 +90,9 @@ def firewall_rules(
         allow = scraper_addresses(hosts, hostvars, list(entry.get("extra") or []), previous)
         records = host_records(hosts, hostvars, previous)
         name = re.sub(r"[^a-z0-9]+", "_", str(entry.get("name") or entry["what"]).lower()).strip("_")
+        if name in {rule["name"] for rule in rules}:
+            # Two entries would declare the same nft sets: nft refuses the file.
+            raise ValueError(f"firewall {entry.get('what')}: name: found {name!r} twice, expected a set name per entry")
         verdict = entry.get("verdict") or "reject with tcp reset"
         rules.append(
             {

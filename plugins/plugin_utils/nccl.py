@@ -24,7 +24,12 @@ from ansible_collections.budgetgpu.cluster.plugins.module_utils.netinfo import (
     speed_text,
 )
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils import nodes
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_hosts, job_master, job_master_addr
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
+    PORT_KEYS,
+    job_hosts,
+    job_master,
+    job_master_addr,
+)
 
 _CONSUMER = re.compile(r"\b(GeForce|TITAN)\b", re.IGNORECASE)
 _SWITCH_ROLES = ("switch_upstream", "switch_downstream")
@@ -497,6 +502,64 @@ def nccl_absent_report(
             kept = f"no address of it is known (none recorded in {firewall_file})"
         lines.append(f"{host}: {why}, no facts: {kept}; it is not checked in this run")
     return lines
+
+
+# torch's default rendezvous port: closed like a job's even where no job takes it (a torchrun started by hand).
+TORCH_DEFAULT_PORT = 29500
+
+
+def nccl_firewall_ports(inputs: Mapping[str, Any], records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the training table's entries (role _firewall's) on inputs' host, but NCCL/gloo's ephemeral range.
+
+    One per job of the host (not removed): its port and store_port, torch c10d stores without authentication,
+    reached only from its own nodes' addresses (records: nccl_member_records' answer) and nccl_network's
+    allowed_sources, and from a node only by root and the job's user, to this node or to the others
+    (local_to_hosts: each node of the job runs this table, so the other users of node2 do not reach node1's store).
+    Then one for the other single ports (test_ports, torch's default, the ports of jobs elsewhere): every member,
+    and from a node root and the test's user. inputs: host, jobs, groups, user, test_ports, allowed_sources.
+    """
+    jobs, groups, host = list(inputs.get("jobs") or []), inputs.get("groups") or {}, inputs.get("host")
+    allowed = [str(source) for source in inputs.get("allowed_sources") or []]
+    entries = []
+    for job in jobs:
+        hosts = job_hosts(job, groups)
+        if job.get("state") == "absent" or host not in hosts:
+            continue
+        addresses = nccl_record_addresses({h: records[h] for h in hosts if h in records})
+        entries.append(
+            {
+                "name": f"job {job.get('name')}",
+                "port": [str(int(job[key])) for key in PORT_KEYS],
+                "what": f"job {job.get('name')}'s rendezvous and worker store",
+                "only": "its nodes only",
+                "hosts": [],
+                "extra": addresses["ipv4"] + addresses["ipv6"] + allowed,
+                "inputs": "torchrun_jobs / nccl_network_allowed_sources",
+                "verdict": "drop",
+                "local": [str(job.get("user"))],
+                "local_to_hosts": True,
+            }
+        )
+    taken = {int(port) for entry in entries for port in entry["port"]}
+    elsewhere = [int(job[key]) for job in jobs for key in PORT_KEYS]
+    others = sorted({TORCH_DEFAULT_PORT, *map(int, inputs.get("test_ports") or []), *elsewhere} - taken)
+    members = nccl_record_addresses(records)
+    entries.append(
+        {
+            "name": "members",
+            "port": [str(port) for port in others],
+            "what": "reachability, comm test, iperf3 and other jobs' ports",
+            "only": "members only",
+            "hosts": [],
+            "extra": members["ipv4"] + members["ipv6"] + allowed,
+            "inputs": "nccl_network_group / nccl_network_allowed_sources",
+            # Dropped, not refused: a scanner learns nothing of the job's ports.
+            "verdict": "drop",
+            "local": [str(inputs.get("user"))],
+            "local_to_hosts": True,
+        }
+    )
+    return entries
 
 
 def _decisions(members: list[str], hostvars: Any) -> tuple[dict[str, dict[str, Any]], list[str]]:

@@ -1,9 +1,9 @@
 """The training job across the two nodes, through the rendered units: it runs as budgetgpu with a
 clean unit, learns, checkpoints, survives an unchanged re-run and a changed input without a
 restart, resumes from its last checkpoint after a killed worker (its workers' store on its fixed port again, which a
-local user outside the job does not reach) and after a node's reboot, and stops cleanly on all nodes. Step counters
-come from the journal and the checkpoint files. Then an fsdp job of its own loses a GPU to the health watch and
-carries on with the others, then with all again.
+local user outside the job does not reach, on either node) and after a node's reboot, and stops cleanly on all nodes.
+Step counters come from the journal and the checkpoint files. Then an fsdp job of its own loses a GPU to the health
+watch and carries on with the others, then with all again.
 
 The tests run in file order; each leaves the job running for the next (the stop and finish tests end it, the
 master's outage spans three tests)."""
@@ -57,7 +57,9 @@ REPORT = re.compile(r"^(straggler: rank \d+ \((\S+) .*|step times: slowest rank 
 # node2's ranks may use this much CPU in the straggler test (microseconds per 100 ms): far below what
 # they use, so that they really compute slower.
 THROTTLE_US = 2000
-# The e2e job's workers' store (MASTER_PORT): its store_port, port 29500 + 1000.
+# The e2e job's rendezvous (its port, on its master cluster-node1) and workers' store (MASTER_PORT): its store_port,
+# port 29500 + 1000.
+RENDEZVOUS_PORT = 29500
 STORE_PORT = 30500
 # Connects to port on address; prints "connected" or the error's name.
 CONNECT = """
@@ -445,6 +447,14 @@ def test_a_killed_worker_restarts_the_job_from_the_last_checkpoint():
     connect = f"python3 -c {shlex.quote(CONNECT)} {address} {STORE_PORT}"
     assert sh(node, f"runuser -u budgetgpu -- {connect}").strip() == "connected"
     assert sh(node, f"runuser -u nobody -- {connect}").strip() == "ConnectionRefusedError"
+    # Nor from the other node, which the store's node admits by its address whoever sent it: there the training
+    # table's chain output resets a new connection to the job's nodes on its ports from any user but root and the
+    # job's (the job's ranks there connect as budgetgpu: it trains on). The rendezvous port on the master likewise.
+    other = next(name for name in NODES if name != node)
+    master = sh("cluster-node1", "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1").split()[0]
+    for source, target, port in ((other, address, STORE_PORT), ("cluster-node2", master, RENDEZVOUS_PORT)):
+        refused = sh(source, f"runuser -u nobody -- python3 -c {shlex.quote(CONNECT)} {target} {port}").strip()
+        assert refused == "ConnectionRefusedError", (source, target, port, refused)
     print(f"store port: {node} listens on {STORE_PORT} again, checked in {time.monotonic() - started:.1f} s")
 
 

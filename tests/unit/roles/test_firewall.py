@@ -1,7 +1,7 @@
 """Role _firewall, the one nftables mechanism of the collection: each caller's ports (the training table of
 nccl_network, inference's workers and gateways, Slurm's daemons, the exporters) admit their hosts and
 refuse everyone else, in a table of the caller's own. The template is rendered with the inputs the
-callers compute (filters firewall_rules, inference_firewall_ports, nccl_member_lines)."""
+callers compute (filters firewall_rules, inference_firewall_ports, nccl_network_plan)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 
 import jinja2
+import pytest
 import yaml
+from ansible_collections.budgetgpu.cluster.plugins.filter.nccl import nccl_network_plan
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.firewall import firewall_record_lines, firewall_rules
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.gateway import inference_firewall_ports
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_member_lines, nccl_recorded_members
@@ -146,6 +148,102 @@ def test_the_training_table_drops_and_its_member_lines_read_back_as_recorded():
     }
 
 
+# Two jobs on node1 with users of their own (a on node1 and node2, b on node1 alone), one on node3 alone, one removed.
+TRAINING_JOBS = [
+    {"name": "a", "nodes": "pair", "port": 29500, "store_port": 30500, "user": "alice", "state": "started"},
+    {"name": "b", "nodes": "solo", "port": 29501, "store_port": 30501, "user": "bob", "state": "started"},
+    {"name": "c", "nodes": "far", "port": 29502, "store_port": 30502, "user": "carol", "state": "started"},
+    {"name": "old", "nodes": "pair", "port": 29600, "store_port": 30600, "user": "alice", "state": "absent"},
+]
+TRAINING_USERS = {"alice": ["x", "1001"], "bob": ["x", "1002"], "budgetgpu": ["x", "999"]}
+
+
+def training_table(host: str) -> str:
+    """The training table of host as role nccl_network renders it: its plan's entries (the ephemeral range aside)."""
+    hostvars = {"node1": net("10.0.0.11"), "node2": net("10.0.0.12", "fd00::12"), "node3": net("10.0.0.13")}
+    plan = nccl_network_plan(
+        {
+            "host": host,
+            "os_family": "Debian",
+            "group": "gpu_nodes",
+            "members": list(hostvars),
+            "hostvars": hostvars,
+            "play_hosts_all": list(hostvars),
+            "play_hosts": list(hostvars),
+            "firewall": True,
+            "firewall_file": "/etc/nftables.d/budgetgpu.nft",
+            "subnet": "10.0.0.0/24",
+            "record": "",
+            "jobs": TRAINING_JOBS,
+            "groups": {"pair": ["node1", "node2"], "solo": ["node1"], "far": ["node3"]},
+            "user": "budgetgpu",
+            "test_ports": [29499, 29510, 5201],
+            "allowed_sources": [],
+        }
+    )
+    return render(plan["firewall_ports"], "budgetgpu", plan["member_lines"], TRAINING_USERS)
+
+
+def test_the_training_table_gives_each_job_of_the_node_its_ports_from_its_nodes_and_for_its_user_alone():
+    """Issue 40: two jobs on a node reach each other's stores no more, and a member outside a job reaches none of its
+    ports; the test ports and the ports of jobs elsewhere stay with every member and the test's user."""
+    text = training_table("node1")
+    found = sets(text)
+    assert "elements = { 10.0.0.11, 10.0.0.12 }" in found["job_a_v4"] and "fd00::12" in found["job_a_v6"]
+    assert "elements = { 10.0.0.11 }" in found["job_b_v4"] and "elements" not in found["job_b_v6"]
+    assert "elements = { 10.0.0.11, 10.0.0.12, 10.0.0.13 }" in found["members_v4"]
+    others = "5201, 29499, 29502, 29510, 29600, 30502, 30600"
+    assert rules(text[: text.index("chain output {")]) == [
+        "tcp dport { 29500, 30500 } ip saddr @job_a_v4 accept",
+        "tcp dport { 29500, 30500 } ip6 saddr @job_a_v6 accept",
+        "tcp dport { 29500, 30500 } counter drop comment"
+        ' "budgetgpu: job a\'s rendezvous and worker store, its nodes only"',
+        "tcp dport { 29501, 30501 } ip saddr @job_b_v4 accept",
+        "tcp dport { 29501, 30501 } ip6 saddr @job_b_v6 accept",
+        "tcp dport { 29501, 30501 } counter drop comment"
+        ' "budgetgpu: job b\'s rendezvous and worker store, its nodes only"',
+        f"tcp dport {{ {others} }} ip saddr @members_v4 accept",
+        f"tcp dport {{ {others} }} ip6 saddr @members_v6 accept",
+        f"tcp dport {{ {others} }} counter drop comment"
+        ' "budgetgpu: reachability, comm test, iperf3 and other jobs\' ports, members only"',
+    ]
+    # From the node, to itself or to the job's other nodes (whose own table checks the same job's user): root and
+    # the job's user only, each job its own.
+    refused = [rule.split(" counter ")[0] for rule in rules(text[text.index("chain output {") :])]
+    assert refused == [
+        "tcp dport { 29500, 30500 } ct state new fib daddr type local meta skuid != { 0, 1001 }",
+        "tcp dport { 29500, 30500 } ct state new ip daddr @job_a_v4 meta skuid != { 0, 1001 }",
+        "tcp dport { 29500, 30500 } ct state new ip6 daddr @job_a_v6 meta skuid != { 0, 1001 }",
+        "tcp dport { 29501, 30501 } ct state new fib daddr type local meta skuid != { 0, 1002 }",
+        "tcp dport { 29501, 30501 } ct state new ip daddr @job_b_v4 meta skuid != { 0, 1002 }",
+        "tcp dport { 29501, 30501 } ct state new ip6 daddr @job_b_v6 meta skuid != { 0, 1002 }",
+        f"tcp dport {{ {others} }} ct state new fib daddr type local meta skuid != {{ 0, 999 }}",
+        f"tcp dport {{ {others} }} ct state new ip daddr @members_v4 meta skuid != {{ 0, 999 }}",
+        f"tcp dport {{ {others} }} ct state new ip6 daddr @members_v6 meta skuid != {{ 0, 999 }}",
+    ]
+    assert (
+        "#   29500, 30500 (job a's rendezvous and worker store): 10.0.0.11, 10.0.0.12, fd00::12; from this node and to"
+        " them: root, alice" in text
+    )
+    # node2 runs job a alone: b's ports are among the others there, a's store is a's again.
+    node2 = training_table("node2")
+    assert "tcp dport { 29500, 30500 } ct state new ip daddr @job_a_v4 meta skuid != { 0, 1001 }" in node2
+    assert "job_b" not in node2 and "29501, 29502," in node2
+    # The next run writes the same file (the member lines it reads back are its own).
+    assert training_table("node1") == text
+
+
+def test_an_entry_checked_to_its_hosts_names_its_users_and_each_entry_has_sets_of_its_own():
+    entry = {"port": 9100, "what": "exporter", "only": "Prometheus", "hosts": ["monitor"], "extra": []}
+    with pytest.raises(ValueError, match="local_to_hosts: found true, expected local users too"):
+        firewall_rules([{**entry, "local_to_hosts": True}], HOSTVARS)
+    with pytest.raises(ValueError, match="name: found 'job_a_b' twice"):
+        firewall_rules([{**entry, "name": "job a.b"}, {**entry, "name": "job a-b"}], HOSTVARS)
+    # Opt-in: the other callers' output rules stay to the node's own addresses.
+    text = render([{**entry, "local": ["prometheus"]}], passwd=PASSWD)
+    assert "daddr @" not in text and "fib daddr type local" in text
+
+
 def test_every_caller_includes_the_role_with_a_table_of_its_own():
     names = {}
     for role in CALLERS:
@@ -218,18 +316,21 @@ def test_the_file_records_its_hosts_and_a_down_host_keeps_its_place_from_the_rec
 
 
 def test_callers_name_who_may_connect_from_the_node():
-    local = {}
+    local, training = {}, {}
     for role in ("alertmanager", "prometheus", "node_exporter", "nccl_network"):
         for path in sorted((ROLES / role / "tasks").glob("*.yml")):
             for task in yaml.safe_load(path.read_text()) or []:
                 include = task.get("ansible.builtin.include_role") or {}
                 if include.get("name") == "budgetgpu.cluster._firewall":
-                    local[role] = [rule.get("local") for rule in task["vars"]["_firewall_ports"]]
+                    entries = task["vars"]["_firewall_ports"]
+                    local[role] = entries if isinstance(entries, str) else [rule.get("local") for rule in entries]
+                    training = task["vars"] if role == "nccl_network" else training
     assert local["alertmanager"] == [["prometheus"], []]
     assert local["prometheus"] == [["prometheus"]] and local["node_exporter"] == [["prometheus"]]
-    # The training table: the rendezvous and test ports to the node's job users (a template), the
-    # ephemeral range (NCCL/gloo, a Slurm job's own ranks) to every local user.
-    assert "map(attribute='user')" in local["nccl_network"][0] and local["nccl_network"][1] is None
+    # The training table: the plan's entries name each job's user and the test's (nccl_firewall_ports, tested
+    # below), the ephemeral range (NCCL/gloo, a Slurm job's own ranks) stays open to every local user.
+    assert local["nccl_network"] == "{{ _nccl_network_plan['firewall_ports'] + [__nccl_network_range_entry] }}"
+    assert "local" not in training["__nccl_network_range_entry"]
 
 
 def test_the_next_run_writes_the_same_table_and_a_host_gone_down_changes_nothing_but_its_facts_source():

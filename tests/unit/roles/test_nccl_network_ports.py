@@ -24,23 +24,25 @@ PLAYBOOK = """\
       loop: [defaults, vars]
     - name: Show them
       ansible.builtin.debug:
-        msg: "PORTS={{ _nccl_network_job_ports | to_json }}"
+        msg: "PORTS={{ _nccl_network_plan['firewall_ports'] | map(attribute='port') | list | to_json }}"
 """
 
 
-def ports(tmp_path: Path, **variables) -> list[int]:
+def ports(tmp_path: Path, **variables) -> list[list[int]]:
+    """The ports of each entry of the training table on the host: its jobs' each, then the others."""
     result = run_playbook(tmp_path, PLAYBOOK, {"test_repo": str(REPO), **variables})
     assert result.returncode == 0, result.stdout + result.stderr
     line = next(line for line in result.stdout.splitlines() if "PORTS=" in line)
-    return json.loads(line.split("PORTS=", 1)[1].rstrip('"').replace('\\"', '"'))
+    found = json.loads(line.split("PORTS=", 1)[1].rstrip('"').replace('\\"', '"'))
+    return [[int(port) for port in entry] for entry in found]
 
 
 def test_a_job_default_port_is_the_port_the_firewall_guards(tmp_path: Path) -> None:
     jobs = [{"name": "a", "script": "/x.py"}, {"name": "b", "script": "/y.py", "port": "29700", "store_port": "31000"}]
-    found = ports(tmp_path, torchrun_jobs=jobs, torchrun_job_defaults={"port": 29600})
-    # The workers' stores too: a's at its port + 1000, b's where it says.
-    assert found == [29600, 29700, 30600, 31000, 29500]
+    found = ports(tmp_path, torchrun_jobs=jobs, torchrun_job_defaults={"port": 29600, "nodes": "all"})
+    # The workers' stores too: a's at its port + 1000, b's where it says; then the test ports and torch's default.
+    assert found == [[29600, 30600], [29700, 31000], [5201, 29499, 29500, 29510]]
 
 
 def test_without_jobs_torchs_default_port_is_guarded(tmp_path: Path) -> None:
-    assert ports(tmp_path) == [29500]
+    assert ports(tmp_path) == [[5201, 29499, 29500, 29510]]
