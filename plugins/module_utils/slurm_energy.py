@@ -218,6 +218,19 @@ def job_env_value(text: str, key: str) -> str | None:
     return None
 
 
+def job_ports(job: str, ports: str) -> tuple[int, int]:
+    """Return (rendezvous port, workers' store port) of a batch job: the job id picks one of the pairs of
+    slurm_rendezvous_ports ("LOW-HIGH"), LOW + 2 * (job mod pairs) and the port after it. The one place of this
+    choice: torchrun.sbatch asks it as the job's user, the Prolog as root (the two ports it admits the job's
+    user to)."""
+    low, _, high = ports.partition("-")
+    pairs = (int(high) - int(low) + 1) // 2
+    if not _JOB_ID.match(job) or pairs < 1:
+        raise ValueError(f"job {job!r}, rendezvous ports {ports!r}: expected a job id and a range of 2 ports or more")
+    port = int(low) + 2 * (int(job) % pairs)
+    return port, port + 1
+
+
 def job_energy(start: dict[str, Any], end_counters: dict[str, float], end_time: float) -> dict[str, Any]:
     """Return the job's record at its end: {job, user, gpus, start, end, seconds, joules {uuid}, kwh}. A GPU
     whose counter went back (a driver reload) or is missing at one end counts for nothing."""

@@ -345,12 +345,44 @@ def job_state(job: str) -> str:
     return next((part.split("=", 1)[1] for part in shown.split() if part.startswith("JobState=")), "GONE")
 
 
+def owners(name: str) -> str:
+    return host(name).check_output("nft list set inet budgetgpu_slurm_jobs owners")
+
+
+def connects(name: str, user: str, address: str, port: int) -> subprocess.CompletedProcess:
+    return host(name).run(f"runuser -u {user} -- timeout 5 bash -c 'exec 3<>/dev/tcp/{address}/{port}'")
+
+
+def assert_the_jobs_ports_are_its_users_alone(job: str) -> None:
+    """While nobody's job trains: its two ports (the pair of the range its id picks: 29600 + 2 * (id mod 200) and
+    the next) are nobody's (uid 65534) on both nodes; nobody connects to them, ana (another Slurm user) is reset,
+    from the node that listens, from the other node and from the controller."""
+    rendezvous = 29600 + 2 * (int(job) % 200)
+    for name in NODES:
+        found = owners(name)
+        assert f"65534 . {rendezvous} " in found and f"65534 . {rendezvous + 1} " in found, (name, found)
+    # The rendezvous on the first node; the workers' store on the node that is rank 0 of the rendezvous.
+    listening = [(NODES[0], rendezvous)] + [
+        (name, rendezvous + 1) for name in NODES if f":{rendezvous + 1} " in host(name).run("ss -Htln").stdout
+    ]
+    assert len(listening) == 2, listening
+    for name, port in listening:
+        address = _address(name)
+        for client in NODES:
+            tried = connects(client, "nobody", address, port)
+            assert tried.rc == 0, (client, name, port, tried.stderr)
+        for client in (*NODES, CONTROLLER):
+            tried = connects(client, "ana", address, port)
+            assert tried.rc != 0 and "refused" in tried.stderr, (client, name, port, tried.rc, tried.stderr)
+
+
 def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
     """A 2-node torchrun job through the batch script of slurm_jobs' entry, which runs torchrun.sbatch (the
     example train_ddp.py, gloo on CPU, one process per node) that Slurm requeues after its first
     checkpoint: the requeue's SIGTERM stops it at one step with a
     checkpoint, the same job id starts again and resumes from that step, and finishes. Its checkpoints lie in
-    <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes. Its environment file (group nogroup) was read."""
+    <slurm_checkpoint_root>/nobody/<job>, nobody's, on both nodes. Its environment file (group nogroup) was read.
+    Its two ports are nobody's alone while it trains, and nobody's no more when it has ended."""
     if not host("slurm-node1").file("/opt/budgetgpu/venv/bin/torchrun").exists:
         # Only where converge made no venv on purpose (Debian 13: no torch for its Python in the wheelhouse).
         assert host("slurm-node1").file("/etc/debian_version").content_string.startswith("13"), "no torch venv"
@@ -384,6 +416,7 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
 
     try:
         wait(lambda: "checkpoint step=" in output(), "no checkpoint", 240)
+        assert_the_jobs_ports_are_its_users_alone(job)
         ctl.check_output(f"scontrol requeue {job}")
         # A requeued batch job may start again only after AuthInfo's cred_expire (120 s by default): a person
         # may start it at once, as here.
@@ -409,6 +442,11 @@ def test_a_requeued_torchrun_job_resumes_from_its_checkpoint() -> None:
         found = host(name).run(f"stat -c '%U %a' {mine} && ls {mine}/{job}")
         assert found.rc == 0 and found.stdout.startswith("nobody 700\n"), (name, found.stdout, found.stderr)
         assert "step-00000150.pt" in found.stdout, (name, found.stdout)
+    # The Epilog took the job's ports back (it may still run when the job shows COMPLETED).
+    deadline = time.monotonic() + 20
+    while any("65534 . " in owners(name) for name in NODES):
+        assert time.monotonic() < deadline, [owners(name) for name in NODES]
+        time.sleep(1)
 
 
 def test_slurmdbd_accounts_each_job_with_its_gpus_and_keeps_its_password_to_itself() -> None:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm_batch import batch_jobs
 from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 HEX = "4f" * 32
 TAGGED = f"registry.lan:5000/team/train:v1@sha256:{HEX}"
@@ -159,9 +160,15 @@ def fake_node(tmp_path: Path, rendered: Path) -> tuple[Path, dict[str, str]]:
     (etc / "slurm-hosts").write_text("node1 10.0.0.1\n")
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
+    # The node venv's python (isolated, -I, as the script runs it): here this one, with the node package.
+    node_python = tmp_path / "node-python"
+    node_python.write_text(
+        f'#!/bin/bash\n[ "$1" = -I ] && shift\nPYTHONPATH={NODE_PACKAGES} exec {sys.executable} "$@"\n'
+    )
+    node_python.chmod(0o755)
     (etc / "slurm-job.env").write_text(
         f"BUDGETGPU_RDZV_PORTS=29600-29999\nBUDGETGPU_CHECKPOINT_ROOT={checkpoints}\n"
-        "BUDGETGPU_NODE_PACKAGES=/opt/budgetgpu/node/packages\n"
+        f"BUDGETGPU_NODE_PACKAGES=/opt/budgetgpu/node/packages\nBUDGETGPU_NODE_PYTHON={node_python}\n"
     )
     (etc / "nccl.env").write_text("# the node's\nNCCL_SOCKET_IFNAME=eth1\n")
     images = rendered / "images"
@@ -222,10 +229,14 @@ def test_torchrun_sbatch_runs_the_image_with_bwrap_as_the_user_with_the_steps_gp
     assert pairs(words, "--bind") == [(checkpoint, checkpoint), (str(tmp_path), "/budgetgpu/work")]
     assert ("/usr/lib/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1") in pairs(words, "--ro-bind")
     # The image's environment, but NCCL's (nccl.env) and the job's own (the entry's SEED) stand.
+    # And the workers' store of their own (the launcher puts it on the job's store port), whatever the image says.
     assert pairs(words, "--setenv") == [
-        ("PATH", "/opt/conda/bin:/usr/bin"), ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64")
+        ("PATH", "/opt/conda/bin:/usr/bin"), ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64"),
+        ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
     ]  # fmt: skip
-    assert words[words.index("--") :][:4] == ["--", "python3", "-m", "torch.distributed.run"]
+    # The systemd jobs' launcher, bound read-only, run by the image's python: the store on the job's second port.
+    assert ("/opt/budgetgpu/slurm/budgetgpu-torchrun", "/tmp/budgetgpu-torchrun") in pairs(words, "--ro-bind")
+    assert words[words.index("--") :][:4] == ["--", "python3", "/tmp/budgetgpu-torchrun", "--store-port=29685"]
     assert "--nproc-per-node=2" in words and words[-3:] == ["train.py", "--lr", "1e-3"]
 
 
@@ -334,3 +345,29 @@ def test_a_node_where_a_user_cannot_run_bwrap_is_refused_with_its_kernel_setting
     assert re.search(r"the kernel has user\.max_user_namespaces=\w+, kernel\.unprivileged_userns_clone=\w+, "
                      r"kernel\.apparmor_restrict_unprivileged_userns=\w+: expected", out), out  # fmt: skip
     assert "No image was brought to the node." in out
+
+
+def test_torchrun_sbatch_takes_the_jobs_two_ports_from_its_id_and_refuses_another(tmp_path, rendered):
+    """The rendezvous port and the workers' store port (the launcher's --store-port) are the pair of the range that
+    slurm_energy.job_ports gives the job's id, the two the Prolog opens to the job's user; a port the user names is
+    refused (before, BUDGETGPU_RDZV_PORT took any port, and the store was on a free port torch picked)."""
+    _, env = fake_node(tmp_path, rendered)
+    script = str(tmp_path / "torchrun.sbatch")
+    for job, rendezvous, store in (("42", 29684, 29685), ("241", 29682, 29683)):
+        done = subprocess.run(
+            ["bash", script, "train.py"], capture_output=True, text=True, env={**env, "SLURM_JOB_ID": job},
+            check=False, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        words = done.stdout.strip().split(": ", 1)[1].split()
+        assert words[:3] == [
+            "/opt/budgetgpu/venv/bin/python3",
+            "/opt/budgetgpu/slurm/budgetgpu-torchrun",
+            f"--store-port={store}",
+        ]
+        assert f"--rdzv-endpoint=10.0.0.1:{rendezvous}" in words
+    done = subprocess.run(
+        ["bash", script, "train.py"], capture_output=True, text=True, env={**env, "BUDGETGPU_RDZV_PORT": "29700"},
+        check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2 and "BUDGETGPU_RDZV_PORT=29700 refused" in done.stderr and not done.stdout

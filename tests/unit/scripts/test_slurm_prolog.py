@@ -1,6 +1,7 @@
 """roles/slurm/files/budgetgpu-slurm-energy, Slurm's Prolog and Epilog (root, by slurmd): always exit 0 within
-their deadline (a node package that does not import, a full disk, an NVML that hangs), each job's energy by
-its GPUs' device minors and UUIDs, and the job user's checkpoint directory made by root before anyone else."""
+their deadline (a node package that does not import, a full disk, an NVML that hangs, an nft that fails), each
+job's energy by its GPUs' device minors and UUIDs, the job user's checkpoint directory made by root before anyone
+else, and the job's two ports given to its user (nft) and taken back."""
 
 from __future__ import annotations
 
@@ -203,3 +204,64 @@ def test_the_whole_program_ends_at_its_deadline(node, tmp_path):
     )
     assert done.returncode == 0 and "not done within 1 s: gave up" in done.stderr, done.stderr
     assert time.monotonic() - started < 10
+
+
+def fake_nft(tmp_path: Path, body: str) -> str:
+    """An nft that records its argv (a line each) and whether it saw the Prolog's environment, then runs body."""
+    nft = tmp_path / "nft"
+    record_argv = f'printf "%s\\n" "$@" > {tmp_path}/nft-argv\n'
+    nft.write_text(f'#!/bin/bash\n{record_argv}echo "${{BUDGETGPU_SENTINEL-unset}}" > {tmp_path}/nft-env\n{body}')
+    nft.chmod(0o755)
+    return str(nft)
+
+
+def test_job_ports_are_a_pair_of_the_range_chosen_by_the_job_id():
+    from budgetgpu_node.slurm_energy import job_ports
+
+    assert job_ports("42", "29600-29999") == (29684, 29685)
+    # 200 pairs: job 242 takes job 42's; an odd last port is never one.
+    assert job_ports("242", "29600-29999") == job_ports("42", "29600-29999")
+    assert job_ports("1", "29600-29602") == (29600, 29601)
+    with pytest.raises(ValueError, match="a range of 2 ports or more"):
+        job_ports("1", "29600-29600")
+
+
+def test_the_prolog_gives_the_jobs_two_ports_to_its_user_alone_and_the_epilog_takes_them_back(
+    node, tmp_path, monkeypatch, capsys
+):
+    """nft by its path with a fixed argv and no environment: the elements `uid . port` of the job's rendezvous
+    and store ports (slurm_energy.job_ports), each with a timeout that bounds a lost Epilog."""
+    monkeypatch.setattr(node, "read_gpus", list)
+    monkeypatch.setenv("BUDGETGPU_SENTINEL", "the Prolog's environment")
+    node.NFT = fake_nft(tmp_path, "exit 0\n")
+    job = {**JOB, "SLURM_JOB_UID": "65534"}
+    assert node.main(["start"], job) == 0
+    assert (tmp_path / "nft-argv").read_text().splitlines() == [
+        "add", "element", "inet", "budgetgpu_slurm_jobs", "owners",
+        "{ 65534 . 29684 timeout 30d, 65534 . 29685 timeout 30d }",
+    ]  # fmt: skip
+    assert (tmp_path / "nft-env").read_text() == "unset\n"
+    assert node.main(["end"], job) == 0
+    assert (tmp_path / "nft-argv").read_text().splitlines() == [
+        "delete", "element", "inet", "budgetgpu_slurm_jobs", "owners", "{ 65534 . 29684, 65534 . 29685 }"
+    ]  # fmt: skip
+    assert "job 42: delete owners { 65534 . 29684, 65534 . 29685 }" in capsys.readouterr().err
+
+
+def test_an_nft_that_fails_hangs_or_is_missing_is_logged_and_the_prolog_exits_0(node, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(node, "read_gpus", list)
+    job = {**JOB, "SLURM_JOB_UID": "65534"}
+    node.NFT = fake_nft(tmp_path, 'echo "Error: No such file or directory" >&2\nexit 1\n')
+    assert node.main(["start"], job) == 0
+    logged = capsys.readouterr().err
+    assert "nft add element inet budgetgpu_slurm_jobs owners" in logged and "No such file or directory" in logged
+    node.NFT = str(tmp_path / "no-nft")
+    assert node.main(["end"], job) == 0
+    assert f"cannot run {tmp_path}/no-nft" in capsys.readouterr().err
+    node.NFT, node.NFT_DEADLINE_S = fake_nft(tmp_path, "exec sleep 60\n"), 1
+    started = time.monotonic()
+    assert node.main(["start"], job) == 0
+    assert time.monotonic() - started < 10
+    assert "no answer within 1 s" in capsys.readouterr().err
+    # The record is written all the same: the job's bill does not wait on its ports.
+    assert record(tmp_path)["job"] == "42"
