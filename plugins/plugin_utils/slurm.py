@@ -337,6 +337,12 @@ def preflight_problems(inputs: Mapping[str, Any]) -> list[str]:
         name: inputs.get(name.replace("slurm_", "")) for name in ("slurm_srun_port_range", "slurm_rendezvous_ports")
     }
     problems += port_range_problems(ranges, host)
+    rendezvous = PORT_RANGE.fullmatch(str(ranges["slurm_rendezvous_ports"]))
+    if rendezvous and int(rendezvous[1]) == int(rendezvous[2]):
+        problems.append(
+            f"{host}: slurm_rendezvous_ports: found {ranges['slurm_rendezvous_ports']!r}, expected two ports or more"
+            " (each batch job takes a pair: its rendezvous port and its workers' store port)"
+        )
     root = inputs.get("checkpoint_root")
     if not isinstance(root, str) or not _CHECKPOINT_ROOT.fullmatch(root):
         problems.append(

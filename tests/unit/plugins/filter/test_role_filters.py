@@ -55,6 +55,8 @@ FILTERS_CALLED = {
         "disruption_slurm_drain",
         "pending_add",
         "state_path",
+        # The Slurm hosts' addresses as role _firewall's table admits them, which table budgetgpu_slurm_jobs guards.
+        "firewall_rules",
         # An image job's environment, as torchrun's image tasks (which role slurm includes) write it for a unit.
         "torchrun_image_environment",
     },

@@ -319,6 +319,15 @@ def test_slurm_inputs_that_fit_have_no_problem():
     assert slurm.preflight_problems(SLURM_INPUTS) == []
 
 
+def test_a_rendezvous_range_of_one_port_is_refused():
+    """A batch job takes two ports of the range (budgetgpu_node.slurm_energy.job_ports)."""
+    assert slurm.preflight_problems({**SLURM_INPUTS, "rendezvous_ports": "29600-29600"}) == [
+        "ctl: slurm_rendezvous_ports: found '29600-29600', expected two ports or more"
+        " (each batch job takes a pair: its rendezvous port and its workers' store port)"
+    ]
+    assert slurm.preflight_problems({**SLURM_INPUTS, "rendezvous_ports": "29600-29601"}) == []
+
+
 def test_every_slurm_input_problem_names_the_host_and_the_variable():
     bad = {
         **SLURM_INPUTS,
