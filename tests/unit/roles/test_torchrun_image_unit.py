@@ -100,3 +100,21 @@ def test_systemd_analyze_verifies_the_image_unit(image_unit):
     # As configure.yml verifies it on a node: systemd-analyze looks for the ExecStart (the launcher) on the host.
     result = subprocess.run(["systemd-analyze", "verify", str(image_unit)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_gpu_smoke_runs_its_cuda_probe_in_the_image_with_the_images_environment(image_unit):
+    # gpu-smoke --sandbox --unit budgetgpu-job-<image job>.service: before, the probe ran the venv's python (absent
+    # in the image) without the image's env file, which alone gives the image's PATH and LD_LIBRARY_PATH.
+    from ansible_collections.budgetgpu.cluster.tests.unit.file_modules import load_file_module
+
+    smoke = load_file_module("gpu_smoke_image", REPO / "roles" / "probe" / "files" / "gpu-smoke")
+    settings = smoke.sandbox_settings(smoke.unit_properties(image_unit.read_text()))
+    assert ("RootDirectory", f"/var/lib/budgetgpu/images/{HEX}/rootfs") in settings
+    assert [value for key, value in settings if key == "EnvironmentFile"] == [
+        f"-/var/lib/budgetgpu/images/{HEX}/env",
+        "-/etc/budgetgpu/nccl.env",
+        "-/etc/budgetgpu/jobs/main.env",
+    ]
+    python = smoke.python_of(settings)
+    assert python == "/usr/bin/env python3"
+    assert smoke.sandbox_command(settings, python, "u")[-4:] == ["/usr/bin/env", "python3", "-c", smoke.SANDBOX_PROBE]
