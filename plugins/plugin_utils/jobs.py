@@ -651,8 +651,8 @@ def torchrun_image_differences(
             continue
         named = {host: _named_image(hostvars, host, job.get("name")) for host in job_hosts(job, groups)}
         named = {host: image for host, image in named.items() if image is not None}
-        if len({digest for digest, _ in named.values()}) > 1:
-            listed = ", ".join(f"{host}: {said}" for host, (_, said) in sorted(named.items()))
+        if len({image[0] for image in named.values()}) > 1:
+            listed = ", ".join(f"{host}: {image[1]}" for host, image in sorted(named.items()))
             problems.append(
                 f"job {job.get('name')}: its nodes name different images ({listed}): every node must run the same "
                 "image (a host's or a group's vars name another for some)"
