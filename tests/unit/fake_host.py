@@ -176,6 +176,34 @@ JOB_UNIT_PLAYBOOK = """\
 """
 
 
+# JOB_UNIT_PLAYBOOK for several fake hosts at once: each host's test_vars set over the role's defaults and vars, which
+# include_vars loads above its inventory variables (set_fact wins over both).
+JOB_UNITS_PLAYBOOK = JOB_UNIT_PLAYBOOK.replace(
+    "    - name: Render the unit\n",
+    """    - name: Set this host's variables over the role's
+      ansible.builtin.set_fact:
+        "{{ item.key }}": "{{ item.value }}"
+      loop: "{{ test_vars | dict2items }}"
+    - name: Render the unit
+""",
+)
+
+
+def render_job_units(tmp_path: Path, variants: dict[str, dict]) -> dict[str, Path]:
+    """render_job_unit for each variant's extra_vars, in one ansible-playbook run (a fake host each; a run costs
+    about 2 s of start-up); return {variant: its unit file}."""
+    units = {name: tmp_path / name / "budgetgpu-job-main.service" for name in variants}
+    for unit in units.values():
+        unit.parent.mkdir()
+    hosts = {name: {"test_vars": {**extra, "test_out": str(units[name])}} for name, extra in variants.items()}
+    report = run_batch(tmp_path, JOB_UNITS_PLAYBOOK, hosts, extra_vars={"test_repo": str(REPO)})
+    failed = {
+        host: stats for host, stats in report["stats"].items() if stats.get("failures") or stats.get("unreachable")
+    }
+    assert not failed, json.dumps([result for host in failed for result in host_results(report, host)])[-3000:]
+    return units
+
+
 def render_job_unit(tmp_path: Path, extra_vars: dict | None = None) -> Path:
     """Render roles/torchrun's budgetgpu-job.service.j2 for a job "main" with the role's defaults and
     vars (extra_vars override them; test_job_gpus: how many GPUs of the node the job's ranks hold, 0 unless

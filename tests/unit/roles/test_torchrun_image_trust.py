@@ -17,7 +17,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import (
     torchrun_jobs_normalize,
     torchrun_plan,
 )
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, render_job_unit
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, render_job_units
 
 HEX = "ab" * 32
 TAGGED = f"registry.lan:5000/team/train:v1@sha256:{HEX}"
@@ -39,10 +39,50 @@ def plan_image(image) -> dict:
     return job["image"]
 
 
+# An image job whose work and checkpoint directories lie in its state directory.
+STATE_JOB = torchrun_jobs_normalize(
+    [
+        {
+            "name": "main",
+            "script": "/srv/train.py",
+            "image": TAGGED,
+            "workdir": f"{STATE_DIR}/work",
+            "checkpoint_dir": f"{STATE_DIR}/work/ckpt",
+        }
+    ]
+)[0]
+# torchrun_hardening and torchrun_sandbox as loose as they go, for a job whose image holds a setuid file.
+LOOSE_HARDENING = {
+    "torchrun_sandbox": False,
+    "torchrun_hardening": {
+        "NoNewPrivileges": "no",
+        "RestrictSUIDSGID": "no",
+        "CapabilityBoundingSet": "CAP_SETUID",
+        "AmbientCapabilities": "CAP_SETUID",
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def tagged_unit(tmp_path_factory) -> str:
-    """The unit of a job whose image is named with a tag beside its digest."""
-    return render_job_unit(tmp_path_factory.mktemp("tagged"), {"test_job": {"image": plan_image(TAGGED)}}).read_text()
+def units(tmp_path_factory) -> dict[str, str]:
+    """The units these tests read, rendered in one run: tagged, a job whose image is named with a tag beside its
+    digest; state, STATE_JOB's; loose, the tagged job's under LOOSE_HARDENING."""
+    state = {key: STATE_JOB[key] for key in ("workdir", "checkpoint_dir", "state_dir")}
+    tagged = {"test_job": {"image": plan_image(TAGGED)}}
+    files = render_job_units(
+        tmp_path_factory.mktemp("units"),
+        {
+            "tagged": tagged,
+            "state": {"test_job": {**state, "image": job_image(STATE_JOB)}},
+            "loose": {**tagged, **LOOSE_HARDENING},
+        },
+    )
+    return {name: path.read_text() for name, path in files.items()}
+
+
+@pytest.fixture(scope="module")
+def tagged_unit(units) -> str:
+    return units["tagged"]
 
 
 def roots_image_commands(image: dict) -> list[str]:
@@ -120,21 +160,9 @@ def test_an_image_job_with_a_directory_outside_its_state_directory_is_refused(fi
     assert not list(image_bads(torchrun_jobs_normalize([{**job, "image": None}])[0]))
 
 
-def test_an_image_unit_binds_and_opens_only_the_state_directory(tmp_path):
-    job = torchrun_jobs_normalize(
-        [
-            {
-                "name": "main",
-                "script": "/srv/train.py",
-                "image": TAGGED,
-                "workdir": f"{STATE_DIR}/work",
-                "checkpoint_dir": f"{STATE_DIR}/work/ckpt",
-            }
-        ]
-    )[0]
-    assert not list(image_bads(job))
-    test_job = {key: job[key] for key in ("workdir", "checkpoint_dir", "state_dir")}
-    unit = render_job_unit(tmp_path, {"test_job": {**test_job, "image": job_image(job)}}).read_text().splitlines()
+def test_an_image_unit_binds_and_opens_only_the_state_directory(units):
+    assert not list(image_bads(STATE_JOB))
+    unit = units["state"].splitlines()
     assert [line for line in unit if line.startswith(("BindPaths=", "ReadWritePaths="))] == [
         f"ReadWritePaths=-{STATE_DIR}",
         f"BindPaths={STATE_DIR}",
@@ -148,10 +176,8 @@ def test_an_image_unit_binds_and_opens_only_the_state_directory(tmp_path):
 
 # A setuid file of the image (su, sudo, one its author left): no privilege gained in the unit, whatever
 # torchrun_hardening says (the host's own setuid files are its admin's choice; an image's are not).
-def test_an_image_units_job_gains_no_privilege_whatever_the_hardening_says(tmp_path):
-    overrides = {"NoNewPrivileges": "no", "RestrictSUIDSGID": "no", "CapabilityBoundingSet": "CAP_SETUID"}
-    settings = {"torchrun_sandbox": False, "torchrun_hardening": {**overrides, "AmbientCapabilities": "CAP_SETUID"}}
-    unit = render_job_unit(tmp_path, {"test_job": {"image": plan_image(TAGGED)}, **settings}).read_text()
+def test_an_image_units_job_gains_no_privilege_whatever_the_hardening_says(units):
+    unit = units["loose"]
     values = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in unit.splitlines() if "=" in line}
     assert [values[key] for key in ("NoNewPrivileges", "RestrictSUIDSGID", "CapabilityBoundingSet")] == [
         "yes",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import job_image, systemd_exec
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, render_job_unit
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, render_job_units
 
 HEX = "ab" * 32
 IMAGE = job_image({"name": "main", "image": f"nvcr.io/nvidia/pytorch@sha256:{HEX}"})
@@ -29,17 +29,32 @@ def launcher(tmp_path_factory) -> str:
     return str(path)
 
 
+# Without the sandbox, and with the hardening's ProtectSystem= lifted: an image job's unit and a venv job's each.
+LOOSENED = {"nosandbox": {"torchrun_sandbox": False}, "writable": {"torchrun_hardening": {"ProtectSystem": "no"}}}
+
+
 @pytest.fixture(scope="module")
-def image_unit(tmp_path_factory, launcher) -> Path:
-    tmp_path = tmp_path_factory.mktemp("image-unit")
-    return render_job_unit(
-        tmp_path,
+def units(tmp_path_factory, launcher) -> dict[str, Path]:
+    """Every unit these tests read, rendered in one run: the image job's, the venv job's, and both loosened."""
+    image = {"test_job": {"image": IMAGE, "exec_start": systemd_exec([launcher])}, "torchrun_launcher": launcher}
+    return render_job_units(
+        tmp_path_factory.mktemp("units"),
         {
-            "test_job": {"image": IMAGE, "exec_start": systemd_exec([launcher, "--nproc-per-node=1"])},
-            "torchrun_launcher": launcher,
-            "_torchrun_driver_libraries": [LIBCUDA],
+            "image": {
+                "test_job": {"image": IMAGE, "exec_start": systemd_exec([launcher, "--nproc-per-node=1"])},
+                "torchrun_launcher": launcher,
+                "_torchrun_driver_libraries": [LIBCUDA],
+            },
+            "venv": {},
+            **{f"image-{name}": {**image, **settings} for name, settings in LOOSENED.items()},
+            **{f"venv-{name}": settings for name, settings in LOOSENED.items()},
         },
     )
+
+
+@pytest.fixture(scope="module")
+def image_unit(units) -> Path:
+    return units["image"]
 
 
 def test_the_image_is_the_units_root_and_its_environment_comes_first(image_unit):
@@ -65,10 +80,10 @@ def test_the_jobs_directories_and_what_the_launcher_needs_are_bound_in(image_uni
     ]
 
 
-def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
+def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, units):
     # Apart from its ExecStart (the plan's: the launcher alone), what the image adds, and its ReadWritePaths= (the
     # state directory alone, the test above).
-    venv_unit = render_job_unit(tmp_path).read_text()
+    venv_unit = units["venv"].read_text()
     venv = [line for line in venv_unit.splitlines() if not line.startswith(("#", "ExecStart=", "ReadWritePaths="))]
     added = (
         "RootDirectory=",
@@ -85,14 +100,13 @@ def test_the_user_sandbox_and_devices_are_the_venv_jobs(image_unit, tmp_path):
     ]
 
 
-@pytest.mark.parametrize("settings", [{"torchrun_sandbox": False}, {"torchrun_hardening": {"ProtectSystem": "no"}}])
-def test_the_image_stays_read_only_without_the_sandbox(tmp_path, launcher, settings):
+@pytest.mark.parametrize("loosened", LOOSENED)
+def test_the_image_stays_read_only_without_the_sandbox(units, loosened):
     # Root's tasks work in the image's tree: no job may write it, whatever torchrun_sandbox and torchrun_hardening say.
-    job = {"image": IMAGE, "exec_start": systemd_exec([launcher])}
-    unit = render_job_unit(tmp_path, {"test_job": job, "torchrun_launcher": launcher, **settings}).read_text()
+    unit = units[f"image-{loosened}"].read_text()
     assert (service_values(unit, "ProtectSystem"), service_values(unit, "PrivateTmp")) == (["strict"], ["yes"])
-    venv = render_job_unit(tmp_path, settings).read_text()
-    assert service_values(venv, "ProtectSystem") == ([] if "torchrun_sandbox" in settings else ["no"])
+    venv = units[f"venv-{loosened}"].read_text()
+    assert service_values(venv, "ProtectSystem") == ([] if "torchrun_sandbox" in LOOSENED[loosened] else ["no"])
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
