@@ -226,26 +226,26 @@ def test_job_ports_are_a_pair_of_the_range_chosen_by_the_job_id():
         job_ports("1", "29600-29600")
 
 
-def test_the_prolog_gives_the_jobs_two_ports_to_its_user_alone_and_the_epilog_takes_them_back(
+def test_the_prolog_gives_the_jobs_two_ports_to_its_user_alone_and_the_epilog_leaves_them_minutes_more(
     node, tmp_path, monkeypatch, capsys
 ):
     """nft by its path with a fixed argv and no environment: the elements `uid . port` of the job's rendezvous
-    and store ports (slurm_energy.job_ports), each with a timeout that bounds a lost Epilog."""
+    and store ports (slurm_energy.job_ports), each with a timeout that bounds a lost Epilog; the Epilog gives them
+    REQUEUE_GRACE (a requeued job started again at once gets no Prolog). Add, delete, add: the timeout is set
+    whether or not the elements were there."""
     monkeypatch.setattr(node, "read_gpus", list)
     monkeypatch.setenv("BUDGETGPU_SENTINEL", "the Prolog's environment")
     node.NFT = fake_nft(tmp_path, "exit 0\n")
     job = {**JOB, "SLURM_JOB_UID": "65534"}
-    assert node.main(["start"], job) == 0
-    assert (tmp_path / "nft-argv").read_text().splitlines() == [
-        "add", "element", "inet", "budgetgpu_slurm_jobs", "owners",
-        "{ 65534 . 29684 timeout 30d, 65534 . 29685 timeout 30d }",
-    ]  # fmt: skip
-    assert (tmp_path / "nft-env").read_text() == "unset\n"
-    assert node.main(["end"], job) == 0
-    assert (tmp_path / "nft-argv").read_text().splitlines() == [
-        "delete", "element", "inet", "budgetgpu_slurm_jobs", "owners", "{ 65534 . 29684, 65534 . 29685 }"
-    ]  # fmt: skip
-    assert "job 42: delete owners { 65534 . 29684, 65534 . 29685 }" in capsys.readouterr().err
+    owners = ["element", "inet", "budgetgpu_slurm_jobs", "owners"]
+    for action, timeout in (("start", "30d"), ("end", "5m")):
+        assert node.main([action], job) == 0
+        timed = ["add", *owners, f"{{ 65534 . 29684 timeout {timeout}, 65534 . 29685 timeout {timeout} }}"]
+        assert (tmp_path / "nft-argv").read_text().splitlines() == [
+            *timed, ";", "delete", *owners, "{ 65534 . 29684, 65534 . 29685 }", ";", *timed
+        ]  # fmt: skip
+        assert (tmp_path / "nft-env").read_text() == "unset\n"
+        assert f"job 42: 65534 . 29684, 65534 . 29685 in owners for {timeout}" in capsys.readouterr().err
 
 
 def test_an_nft_that_fails_hangs_or_is_missing_is_logged_and_the_prolog_exits_0(node, tmp_path, monkeypatch, capsys):
