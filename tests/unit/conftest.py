@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -118,6 +119,34 @@ def _machine_unchanged(request):
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _apt_cache_kept(tmp_path_factory):
+    """apt's package cache kept for the session, where the machine's apt configuration keeps none.
+
+    Docker's Debian images (the build machines among them) set Dir::Cache::pkgcache "" (apt.conf.d/docker-clean):
+    then every apt.Cache() parses all the archive's lists again, about 0.8 s of CPU, and the roles' apt and
+    package_facts tasks open one per fake host (python_env's refusal test: 20 s of its 40). The same configuration
+    plus a last part that puts the cache under the session's temporary folder; apt makes it once, then every
+    open maps it. APT_CONFIG is read before the parts, so it only names the parts folder."""
+    parts = Path("/etc/apt/apt.conf.d")
+    if not parts.is_dir() or not shutil.which("apt-cache"):
+        yield
+        return
+    folder = tmp_path_factory.mktemp("apt")
+    (folder / "parts").mkdir()
+    for part in parts.iterdir():
+        (folder / "parts" / part.name).symlink_to(part)
+    (folder / "parts" / "zz-budgetgpu-unit-tests").write_text(
+        f'Dir::Cache::pkgcache "{folder}/pkgcache.bin";\nDir::Cache::srcpkgcache "{folder}/srcpkgcache.bin";\n'
+    )
+    (folder / "apt.conf").write_text(f'Dir::Etc::parts "{folder}/parts";\n')
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("APT_CONFIG", str(folder / "apt.conf"))
+        # Made here, before the fake hosts of one run open it at once.
+        subprocess.run(["apt-cache", "stats"], capture_output=True, check=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def node_python(tmp_path_factory) -> str:
     """A node venv as role node_venv makes it, for scripts run with -I as root's units run them: the node
@@ -163,7 +192,6 @@ def sim_tree(render_sim, tmp_path):
 @pytest.fixture
 def h200_sysfs(tmp_path) -> str:
     """The captured H200 tree with bus/pci/devices links as links.txt shows them (absolute targets)."""
-    import shutil
     from urllib.parse import unquote
 
     root = tmp_path / "h200-sys"
