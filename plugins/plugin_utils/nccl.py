@@ -700,7 +700,7 @@ def nccl_network_problems(inputs: Mapping[str, Any]) -> list[str]:
     """Return every problem of role nccl_network's inputs on one node, each naming the host and the
     variable (its one input check). inputs: host, os_family, distribution, version, group, members,
     absent (nccl_absent_members' answer), safe_mode, firewall, member_records (nccl_member_records'),
-    firewall_file, recorded (nccl_recorded_members'), subnet."""
+    firewall_file, recorded (nccl_recorded_members'), subnet, jobs, groups, test_ports."""
     host, group, members = inputs.get("host"), inputs.get("group"), list(inputs.get("members") or [])
     problems = []
     if inputs.get("os_family") != "Debian":
@@ -719,4 +719,22 @@ def nccl_network_problems(inputs: Mapping[str, Any]) -> list[str]:
             f"{host}: the cluster has {len(members)} nodes but budgetgpu_cluster_subnet is empty: set it in "
             "group_vars/all (e.g. 192.168.1.0/24)"
         )
+    return problems + _test_port_problems(inputs, host)
+
+
+def _test_port_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
+    """A job of the host on a network test's port: the job's firewall rule would take the port from the test's user
+    (nccl_firewall_ports), and the test and the job would meet on it."""
+    test_ports = [int(port) for port in inputs.get("test_ports") or []]
+    problems = []
+    for job in inputs.get("jobs") or []:
+        if job.get("state") == "absent" or host not in job_hosts(job, inputs.get("groups") or {}):
+            continue
+        for key in PORT_KEYS:
+            if job.get(key) in test_ports:
+                problems.append(
+                    f"{host}: job {job.get('name')}: {key}: found {job[key]}, expected a port other than the network "
+                    f"tests' ({', '.join(map(str, test_ports))}: nccl_network_probe_port, nccl_network_comm_test_port, "
+                    "nccl_network_iperf_port)"
+                )
     return problems

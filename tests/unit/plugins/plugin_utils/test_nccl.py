@@ -625,3 +625,28 @@ def test_nccl_network_input_problems_name_host_and_variable() -> None:
     )
     # Without the firewall, nothing would shut it out.
     assert nccl_network_problems({**down, "firewall": False, "member_records": {"node2": {"source": None}}}) == []
+
+
+def test_a_job_on_a_network_tests_port_is_refused_on_its_nodes() -> None:
+    from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nccl import nccl_network_problems
+
+    inputs = {
+        "host": "node1",
+        "os_family": "Debian",
+        "group": "gpu_nodes",
+        "members": ["node1"],
+        "member_records": {"node1": {"source": "facts"}},
+        "test_ports": [29499, 29510, 5201],
+        "groups": {"gpu_nodes": ["node1", "node2"], "other": ["node2"]},
+        "jobs": [
+            {"name": "a", "nodes": "gpu_nodes", "port": 29510, "store_port": 30510},
+            {"name": "b", "nodes": "gpu_nodes", "port": 29600, "store_port": 5201},
+            {"name": "gone", "nodes": "gpu_nodes", "port": 29499, "store_port": 30499, "state": "absent"},
+            {"name": "elsewhere", "nodes": "other", "port": 29499, "store_port": 30499},
+        ],
+    }
+    tests = "the network tests' (29499, 29510, 5201: nccl_network_probe_port, nccl_network_comm_test_port, "
+    assert nccl_network_problems(inputs) == [
+        f"node1: job a: port: found 29510, expected a port other than {tests}nccl_network_iperf_port)",
+        f"node1: job b: store_port: found 5201, expected a port other than {tests}nccl_network_iperf_port)",
+    ]
