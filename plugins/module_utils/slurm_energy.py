@@ -223,11 +223,11 @@ def job_ports(job: str, ports: str) -> tuple[int, int]:
     slurm_rendezvous_ports ("LOW-HIGH"), LOW + 2 * (job mod pairs) and the port after it. The one place of this
     choice: torchrun.sbatch asks it as the job's user, the Prolog as root (the two ports it admits the job's
     user to)."""
-    low, _, high = ports.partition("-")
-    pairs = (int(high) - int(low) + 1) // 2
+    bounds = ports.split("-")
+    pairs = (int(bounds[-1]) - int(bounds[0]) + 1) // 2
     if not _JOB_ID.match(job) or pairs < 1:
         raise ValueError(f"job {job!r}, rendezvous ports {ports!r}: expected a job id and a range of 2 ports or more")
-    port = int(low) + 2 * (int(job) % pairs)
+    port = int(bounds[0]) + 2 * (int(job) % pairs)
     return port, port + 1
 
 

@@ -351,7 +351,7 @@ def test_torchrun_sbatch_takes_the_jobs_two_ports_from_its_id_and_refuses_anothe
     """The rendezvous port and the workers' store port (the launcher's --store-port) are the pair of the range that
     slurm_energy.job_ports gives the job's id, the two the Prolog opens to the job's user; a port the user names is
     refused (before, BUDGETGPU_RDZV_PORT took any port, and the store was on a free port torch picked)."""
-    _, env = fake_node(tmp_path, rendered)
+    env = fake_node(tmp_path, rendered)[1]
     script = str(tmp_path / "torchrun.sbatch")
     for job, rendezvous, store in (("42", 29684, 29685), ("241", 29682, 29683)):
         done = subprocess.run(
