@@ -19,7 +19,7 @@ from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.inference.placem
     inference_workers,
     rpc_node_gpus,
 )
-from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import training_gpus
+from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.jobs import PORT_KEYS, job_hosts, training_gpus
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.nodes import fact, host_var, node_address, node_facts
 
 # Below what slurmd detects: a node whose RealMemory is above what slurmd finds is drained ("Low
@@ -311,10 +311,31 @@ def port_range_problems(ranges: Mapping[str, Any], host: str) -> list[str]:
 _CHECKPOINT_ROOT = re.compile(r"/\S*[^/\s]")
 
 
+def _job_port_problems(inputs: Mapping[str, Any], low: int, high: int) -> list[str]:
+    """A systemd job on a Slurm host whose port or store_port lies in slurm_rendezvous_ports: table
+    budgetgpu_slurm_jobs (every Slurm host) resets every connection to that range but root's and a running batch
+    job's user's on its two ports, so the job's own connections would be reset."""
+    slurm_hosts = [inputs.get("controller_host"), *(inputs.get("node_hosts") or [])]
+    problems = []
+    for job in inputs.get("jobs") or []:
+        hosts = [host for host in job_hosts(job, inputs.get("groups") or {}) if host in slurm_hosts]
+        if job.get("state") == "absent" or not hosts:
+            continue
+        problems += [
+            f"{', '.join(hosts)}: job {job.get('name')}: {key}: found {job[key]}, expected a port outside "
+            f"slurm_rendezvous_ports ({low}-{high}) on a Slurm host (its table resets every connection to that range "
+            "but root's and a running batch job's user's)"
+            for key in PORT_KEYS
+            if isinstance(job.get(key), int) and low <= job[key] <= high
+        ]
+    return problems
+
+
 def preflight_problems(inputs: Mapping[str, Any]) -> list[str]:
     """Return every problem of role slurm's cluster inputs, each naming the host and the variable (the
     role's first check, once a run). inputs: host, controller_host, all_hosts, controller_group (the hosts
-    of group slurm_controller), node_hosts, play_hosts, srun_port_range, rendezvous_ports, checkpoint_root."""
+    of group slurm_controller), node_hosts, play_hosts, srun_port_range, rendezvous_ports, checkpoint_root, jobs (the
+    run's systemd jobs, budgetgpu_jobs), groups."""
     host, controller = inputs.get("host"), inputs.get("controller_host")
     problems = []
     if controller not in (inputs.get("all_hosts") or []):
@@ -343,6 +364,8 @@ def preflight_problems(inputs: Mapping[str, Any]) -> list[str]:
             f"{host}: slurm_rendezvous_ports: found {ranges['slurm_rendezvous_ports']!r}, expected two ports or more"
             " (each batch job takes a pair: its rendezvous port and its workers' store port)"
         )
+    if rendezvous:
+        problems += _job_port_problems(inputs, int(rendezvous[1]), int(rendezvous[2]))
     root = inputs.get("checkpoint_root")
     if not isinstance(root, str) or not _CHECKPOINT_ROOT.fullmatch(root):
         problems.append(

@@ -328,6 +328,20 @@ def test_a_rendezvous_range_of_one_port_is_refused():
     assert slurm.preflight_problems({**SLURM_INPUTS, "rendezvous_ports": "29600-29601"}) == []
 
 
+def test_a_systemd_job_on_a_slurm_host_with_a_port_in_the_rendezvous_range_is_refused():
+    """Table budgetgpu_slurm_jobs would reset the job's own connections (its user owns no element there)."""
+    jobs = [
+        {"name": "a", "nodes": "pair", "port": 29500, "store_port": 29700},
+        {"name": "b", "nodes": "others", "port": 29650, "store_port": 30650},
+        {"name": "c", "nodes": "pair", "port": 29650, "store_port": 30650, "state": "absent"},
+    ]
+    groups = {"pair": ["node1", "node2"], "others": ["node3"]}
+    assert slurm.preflight_problems({**SLURM_INPUTS, "jobs": jobs, "groups": groups}) == [
+        "node1, node2: job a: store_port: found 29700, expected a port outside slurm_rendezvous_ports (29600-29999) on"
+        " a Slurm host (its table resets every connection to that range but root's and a running batch job's user's)"
+    ]
+
+
 def test_every_slurm_input_problem_names_the_host_and_the_variable():
     bad = {
         **SLURM_INPUTS,
