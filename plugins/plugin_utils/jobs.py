@@ -624,11 +624,11 @@ def _image_jobs(jobs: list[Mapping[str, Any]]) -> Iterator[tuple[Mapping[str, An
             yield job, image
 
 
-def _named_image(hostvars: Mapping[str, Any], host: str, name: Any) -> tuple[str | None, str] | None:
+def _named_image(hostvars: Mapping[str, Any], host: str, name: Any, lists: str) -> tuple[str | None, str] | None:
     """Return (digest, what the host's own job list names) for its job name: (None, ...) for a venv job; None where
-    the host has no job list in this run (budgetgpu_jobs: outside the play), no such job, has it absent, or names a
-    bad image key (preflight refuses that one, naming the key)."""
-    theirs = next((job for job in fact(hostvars, host, "budgetgpu_jobs") or [] if job.get("name") == name), None)
+    the host has no job list in this run (its fact or variable `lists`: outside the play), no such job, has it
+    absent, or names a bad image key (preflight refuses that one, naming the key)."""
+    theirs = next((job for job in fact(hostvars, host, lists) or [] if job.get("name") == name), None)
     if theirs is None or theirs.get("state") == "absent" or next(image_bads(theirs), None):
         return None
     image = job_image(theirs)
@@ -638,18 +638,21 @@ def _named_image(hostvars: Mapping[str, Any], host: str, name: Any) -> tuple[str
 
 
 def torchrun_image_differences(
-    jobs: list[Mapping[str, Any]], groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
+    jobs: list[Mapping[str, Any]],
+    groups: Mapping[str, list[str]],
+    hostvars: Mapping[str, Any],
+    lists: str = "budgetgpu_jobs",
 ) -> list[str]:
     """Return why jobs cannot start, before anything changes: a job whose nodes name different images (a host's or
     a group's vars give one node another image, another tarball and digest, or none). Such a node would run its
     own image, or its ranks in the venv beside the others' in the image. Each node's own job list is its fact
-    budgetgpu_jobs (tasks/jobs.yml, worked out once a run); every node of a job reads all of theirs, a venv job's
-    too, so that each of them refuses."""
+    budgetgpu_jobs (tasks/jobs.yml, worked out once a run), or its variable `lists` names (role slurm: slurm_jobs);
+    every node of a job reads all of theirs, a venv job's too, so that each of them refuses."""
     problems = []
     for job in jobs:
         if job.get("state") == "absent":
             continue
-        named = {host: _named_image(hostvars, host, job.get("name")) for host in job_hosts(job, groups)}
+        named = {host: _named_image(hostvars, host, job.get("name"), lists) for host in job_hosts(job, groups)}
         named = {host: image for host, image in named.items() if image is not None}
         if len({image[0] for image in named.values()}) > 1:
             listed = ", ".join(f"{host}: {image[1]}" for host, image in sorted(named.items()))

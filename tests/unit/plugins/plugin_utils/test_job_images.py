@@ -179,6 +179,30 @@ def test_nodes_that_name_different_images_for_a_job_are_refused_before_any_load(
     assert torchrun_image_differences(jobs, GROUPS, {**hostvars, **job_lists(node1=tag)}) == []
 
 
+def test_slurm_nodes_whose_slurm_jobs_name_different_images_are_refused_before_any_load():
+    # Role slurm brings every batch job's image onto every Slurm node from the node's own slurm_jobs (the inventory's
+    # entries, read as given): node1's host vars name another tarball for the job, node2's none.
+    mine = {"tarball": "/srv/a.tar", "digest": f"sha256:{HEX}"}
+    other = {"tarball": "/srv/b.tar", "digest": "sha256:" + "ef" * 32}
+    batch = {"name": "pretrain", "script": "train.py", "gpus_per_node": 2}
+    jobs = [{**batch, "image": mine, "nodes": "budgetgpu_slurm_image_nodes"}]
+    groups = {"budgetgpu_slurm_image_nodes": ["node0", "node1", "node2"]}
+    hostvars = {
+        "node0": {"slurm_jobs": [{**batch, "image": mine}]},
+        "node1": {"slurm_jobs": [{**batch, "image": other}]},
+        "node2": {"slurm_jobs": [batch]},
+    }
+    assert torchrun_image_differences(jobs, groups, hostvars, "slurm_jobs") == [
+        f"job pretrain: its nodes name different images (node0: sha256:{HEX} (/srv/a.tar), node1: sha256:"
+        f"{'ef' * 32} (/srv/b.tar), node2: no image: the venv): every node must run the same image (a host's or a "
+        "group's vars name another for some)"
+    ]
+    # The systemd jobs' lists (budgetgpu_jobs) are not the batch jobs'.
+    assert torchrun_image_differences(jobs, groups, hostvars) == []
+    same = {host: {"slurm_jobs": [{**batch, "image": mine}]} for host in hostvars}
+    assert torchrun_image_differences(jobs, groups, same, "slurm_jobs") == []
+
+
 def test_a_node_whose_own_job_list_runs_the_job_in_the_venv_is_refused_on_every_node_of_the_job():
     # node1's vars give it the job without image: it has no image job, so it never reads the images; its ranks
     # would run in the venv beside node0's in the image. Each node's check reads every node's list: node0 with
