@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_collections.budgetgpu.cluster.plugins.plugin_utils.slurm_batch import batch_jobs
-from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import REPO, output_of, run_playbook
+from ansible_collections.budgetgpu.cluster.tests.unit.fake_host import (
+    REPO,
+    host_results,
+    output_of,
+    run_batch,
+    run_playbook,
+    texts_of,
+)
 from ansible_collections.budgetgpu.cluster.tests.unit.node_package import NODE_PACKAGES
 
 HEX = "4f" * 32
@@ -371,3 +378,31 @@ def test_torchrun_sbatch_takes_the_jobs_two_ports_from_its_id_and_refuses_anothe
         check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2 and "BUDGETGPU_RDZV_PORT=29700 refused" in done.stderr and not done.stdout
+
+
+IMAGES_TASKS = REPO / "roles" / "slurm" / "tasks" / "images.yml"
+DIFFERENCES = "Require each batch job to name one image on every Slurm node"
+
+
+def test_a_slurm_node_whose_slurm_jobs_name_no_image_is_judged_before_any_image_comes(tmp_path):
+    # The role's own task, as images.yml has it, on the Slurm nodes with images (node0; group_by made their group):
+    # node1's host vars give the job no image, and node1 is not in that group, yet it is judged.
+    tasks = yaml.safe_load(IMAGES_TASKS.read_text())
+    check = next(task for task in tasks if task["name"] == DIFFERENCES)
+    play = [{"name": "The batch jobs' image check", "hosts": "all", "gather_facts": False, "tasks": [check]}]
+    job = {**JOB, "image": f"registry.lan/team/train@sha256:{HEX}"}
+    image_jobs = [{**plan(job), "nodes": "budgetgpu_slurm_image_nodes"}]
+    common = {"slurm_node_hosts": ["node0", "node1"], "_slurm_image_jobs": image_jobs}
+    report = run_batch(
+        tmp_path,
+        yaml.safe_dump(play),
+        {"node0": {**common, "slurm_jobs": [job]}, "node1": {**common, "slurm_jobs": [{**JOB, "image": None}]}},
+        options=("--limit", "node0"),
+    )
+    [(task, result)] = host_results(report, "node0")
+    assert (task, result.get("failed")) == (DIFFERENCES, True)
+    assert texts_of(result.get("msg")) == (
+        f"slurm_jobs refused: nothing was changed job pretrain: its nodes name different images (node0: sha256:{HEX} "
+        f"(registry.lan/team/train@sha256:{HEX}), node1: no image: the venv): every node must run the same image (a "
+        "host's or a group's vars name another for some)"
+    )
