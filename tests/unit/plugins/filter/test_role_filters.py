@@ -59,6 +59,8 @@ FILTERS_CALLED = {
         "firewall_rules",
         # An image job's environment, as torchrun's image tasks (which role slurm includes) write it for a unit.
         "torchrun_image_environment",
+        # The Slurm nodes' own slurm_jobs naming one image for a job, judged as torchrun judges its jobs' nodes.
+        "torchrun_image_differences",
     },
 }
 
