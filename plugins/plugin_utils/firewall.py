@@ -44,23 +44,32 @@ def scraper_addresses(
 
 
 def _local_users(entry: Mapping[str, Any], passwd: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Return {local, local_uids, local_unknown, local_to_hosts} of an entry: local None (every local user may
-    connect, as Slurm's ports need for every user's srun) or its user names; the uids that may connect from the
-    node (root's 0 first, then the users' from getent's passwd: {name: [password, uid, ...]}); names not in it;
-    whether the same users only may also connect to the entry's hosts and extra addresses (local_to_hosts)."""
+    """Return {local, local_uids, local_unknown, local_to_hosts, client_only} of an entry: local None (every local
+    user may connect, as Slurm's ports need for every user's srun) or its user names; the uids that may connect from
+    the node (root's 0 first, then the users' from getent's passwd: {name: [password, uid, ...]}); names not in it;
+    whether the same users only may also connect to the entry's hosts and extra addresses (local_to_hosts, which
+    client_only implies: the node serves nothing on the ports, its users only connect to the hosts')."""
     names = entry.get("local")
-    to_hosts = bool(entry.get("local_to_hosts"))
+    client_only = bool(entry.get("client_only"))
+    to_hosts = bool(entry.get("local_to_hosts")) or client_only
     if names is None:
         if to_hosts:
-            raise ValueError(f"firewall {entry.get('what')}: local_to_hosts: found true, expected local users too")
-        return {"local": None, "local_uids": None, "local_unknown": [], "local_to_hosts": False}
+            key = "client_only" if client_only else "local_to_hosts"
+            raise ValueError(f"firewall {entry.get('what')}: {key}: found true, expected local users too")
+        return {"local": None, "local_uids": None, "local_unknown": [], "local_to_hosts": False, "client_only": False}
     if isinstance(names, str) or not all(isinstance(name, str) and name for name in names):
         raise ValueError(f"firewall {entry.get('what')}: local: found {names!r}, expected a list of user names")
     # getent with a key that is not found (fail_key: false) leaves the name with None in the fact.
     users = {name: fields for name, fields in (passwd or {}).items() if fields}
     uids = sorted({int(users[name][1]) for name in names if name in users} - {0})
     unknown = [n for n in names if n not in users]
-    return {"local": list(names), "local_uids": [0, *uids], "local_unknown": unknown, "local_to_hosts": to_hosts}
+    return {
+        "local": list(names),
+        "local_uids": [0, *uids],
+        "local_unknown": unknown,
+        "local_to_hosts": to_hosts,
+        "client_only": client_only,
+    }
 
 
 def firewall_rules(
@@ -76,7 +85,8 @@ def firewall_rules(
     next run), stale (its hosts without facts whose recorded addresses are used), name (its nft sets'
     prefix, from `what` unless given), verdict (reject with a TCP reset unless given: the client learns at
     once) and the local users of _local_users (local_to_hosts: they alone also to the entry's hosts and extra
-    addresses). ``recorded`` is the table file's text of the last run."""
+    addresses; client_only: only that, the node serves nothing on the ports). ``recorded`` is the table file's
+    text of the last run."""
     previous = nccl_recorded_members(recorded)
     rules = []
     for entry in ports or []:

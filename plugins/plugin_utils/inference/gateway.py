@@ -55,7 +55,8 @@ def inference_firewall_ports(
     """Return the entries of a node's inference firewall table (role firewall, filter firewall_rules):
     each service's workers, which answer anyone (no authentication), from its gateway and the
     Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
-    that is empty; the llama.cpp RPC servers of each worker over several nodes from that worker's head
+    that is empty; on a gateway's node, its services' workers on other nodes (client_only: only NGINX and
+    Prometheus of this node reach them); the llama.cpp RPC servers of each worker over several nodes from that worker's head
     alone (every address of it, and its cluster address), from no local user but root (the head is
     another node), a head's own (head_rpc) from its service's user alone. ``plan``, ``gateways`` and
     ``rpc_plan`` (those with rpc_servers here) are role inference's entries of this node."""
@@ -87,7 +88,33 @@ def inference_firewall_ports(
                     "inputs": f"service {svc['name']}: gateway.allow",
                 }
             )
+            entries += _remote_worker_entries(svc)
     return entries + [entry for svc in rpc_plan or [] if svc.get("state") != "absent" for entry in _rpc_entries(svc)]
+
+
+def _remote_worker_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The gateway's workers on other nodes, as its own node's users reach them: those nodes admit the gateway's
+    address, whichever process sends from it, so the gateway's node itself lets only NGINX (and Prometheus where
+    it runs) connect to them (client_only: this node serves nothing there; its caller adds the users)."""
+    remote = [server for server in svc.get("upstreams") or [] if server["node"] != svc.get("gateway_host")]
+    if not remote:
+        return []
+    addresses, ports = set(), set()
+    for server in remote:
+        address, _sep, port = str(server["address"]).rpartition(":")
+        addresses.add(address.strip("[]"))
+        ports.add(int(port))
+    return [
+        {
+            "port": sorted(ports),
+            "what": f"{svc['name']} other nodes' workers",
+            "only": "NGINX and Prometheus from here only",
+            "hosts": [],
+            "extra": sorted(addresses),
+            "inputs": f"service {svc['name']}: nodes",
+            "client_only": True,
+        }
+    ]
 
 
 def _rpc_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:

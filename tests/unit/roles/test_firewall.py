@@ -233,6 +233,53 @@ def test_the_training_table_gives_each_job_of_the_node_its_ports_from_its_nodes_
     assert training_table("node1") == text
 
 
+def test_the_gateways_node_lets_only_nginx_and_prometheus_reach_the_other_nodes_workers():
+    """Issue 40: node2's workers admit the gateway's address, whichever process on node1 sends from it; node1 serves
+    nothing on those ports, so it has no input rule for them, only the check of its own users' connections there."""
+    gateways = [
+        {
+            "name": "chat",
+            "state": "started",
+            "gateway_port": 8080,
+            "allow": ["10.0.0.0/24"],
+            "gateway_host": "node1",
+            "upstreams": [
+                {"address": "10.0.0.11:8100", "node": "node1"},
+                {"address": "10.0.0.12:8100", "node": "node2"},
+                {"address": "[fd00::13]:8102", "node": "node3"},
+            ],
+        },
+        {
+            "name": "solo",
+            "state": "started",
+            "gateway_port": 8081,
+            "allow": [],
+            "gateway_host": "node1",
+            "upstreams": [{"address": "10.0.0.11:8200", "node": "node1"}],
+        },  # fmt: skip
+    ]
+    entries = inference_firewall_ports([], gateways, ["monitor"], [])
+    local = {"local": ["www-data", "prometheus"]}
+    text = render([{**e, **local} if e["what"].endswith(" workers") else e for e in entries], passwd=PASSWD)
+    assert [rule.split(" counter ")[0] for rule in rules(text) if "8100" in rule] == [
+        "tcp dport { 8100, 8102 } ct state new ip daddr @chat_other_nodes_workers_v4 meta skuid != { 0, 33, 998 }",
+        "tcp dport { 8100, 8102 } ct state new ip6 daddr @chat_other_nodes_workers_v6 meta skuid != { 0, 33, 998 }",
+    ]
+    found = sets(text)
+    assert "elements = { 10.0.0.12 }" in found["chat_other_nodes_workers_v4"]
+    assert "elements = { fd00::13 }" in found["chat_other_nodes_workers_v6"]
+    assert (
+        "#   8100, 8102 (chat other nodes' workers): served there, 10.0.0.12, fd00::13; from this node to them: root, "
+        "www-data, prometheus" in text
+    )
+    # This node serves nothing there: no input rule, no check of connections to its own addresses.
+    assert "8102" not in text[text.index("chain input {") : text.index("chain output {")]
+    # A service whose workers are all on the gateway's node: nothing more.
+    assert "solo_other" not in text
+    with pytest.raises(ValueError, match="client_only: found true, expected local users too"):
+        firewall_rules([e for e in entries if e.get("client_only")], HOSTVARS)
+
+
 def test_an_entry_checked_to_its_hosts_names_its_users_and_each_entry_has_sets_of_its_own():
     entry = {"port": 9100, "what": "exporter", "only": "Prometheus", "hosts": ["monitor"], "extra": []}
     with pytest.raises(ValueError, match="local_to_hosts: found true, expected local users too"):
