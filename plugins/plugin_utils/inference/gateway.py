@@ -56,8 +56,8 @@ def inference_firewall_ports(
     each service's workers, which answer anyone (no authentication), from its gateway and the
     Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
     that is empty; on a gateway's node, its services' workers on other nodes (client_only: only NGINX and
-    Prometheus of this node reach them); the llama.cpp RPC servers of each worker over several nodes from that worker's head
-    alone (every address of it, and its cluster address), from no local user but root (the head is
+    Prometheus of this node reach them); the llama.cpp RPC servers of each worker over several nodes from that
+    worker's head alone (every address of it, and its cluster address), from no local user but root (the head is
     another node), a head's own (head_rpc) from its service's user alone. ``plan``, ``gateways`` and
     ``rpc_plan`` (those with rpc_servers here) are role inference's entries of this node."""
     entries = []
