@@ -182,6 +182,10 @@ def test_the_rpc_port_admits_the_head_alone(addresses) -> None:
     # ...the host outside the cluster and a user of node2 itself that is not root are reset.
     assert not connects(None, "", rpc, SPAN_PORT)
     assert not connects(OTHER, "nobody", rpc, SPAN_PORT)
+    # node2 admits the head's address whoever sends from it: on the head's node, its llama-server's user connects and
+    # another user is reset on its way out (client_only).
+    assert connects(GATEWAY, "budgetgpu-infer", rpc, SPAN_PORT)
+    assert not connects(GATEWAY, "nobody", rpc, SPAN_PORT)
     # The head's own RPC server: its llama-server's user on the node connects, another user is reset.
     assert connects(GATEWAY, "budgetgpu-infer", "127.0.0.1", OWN_PORT)
     assert not connects(GATEWAY, "nobody", "127.0.0.1", OWN_PORT)

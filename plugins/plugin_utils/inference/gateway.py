@@ -56,15 +56,17 @@ def inference_firewall_ports(
     each service's workers, which answer anyone (no authentication), from its gateway and the
     Prometheus hosts (their /metrics) only; each gateway port from its allow list, from no one when
     that is empty; on a gateway's node, its services' workers on other nodes (client_only: only NGINX and
-    Prometheus of this node reach them); the llama.cpp RPC servers of each worker over several nodes from that
-    worker's head alone (every address of it, and its cluster address), from no local user but root (the head is
-    another node), a head's own (head_rpc) from its service's user alone. ``plan``, ``gateways`` and
+    Prometheus of this node reach them); on a llama.cpp head, its RPC servers on other nodes (client_only: only
+    the service's user of this node reaches them); the llama.cpp RPC servers of each worker over several nodes
+    from that worker's head alone (every address of it, and its cluster address), from no local user but root (the
+    head is another node), a head's own (head_rpc) from its service's user alone. ``plan``, ``gateways`` and
     ``rpc_plan`` (those with rpc_servers here) are role inference's entries of this node."""
     entries = []
     for svc in plan:
         ports = sorted(int(worker["port"]) for worker in svc.get("workers") or [])
         if svc.get("state") == "absent" or not ports:
             continue
+        entries += _remote_rpc_entries(svc)
         entries.append(
             {
                 # Each port, not a range: a range would open the ports between to this gateway too.
@@ -92,29 +94,55 @@ def inference_firewall_ports(
     return entries + [entry for svc in rpc_plan or [] if svc.get("state") != "absent" for entry in _rpc_entries(svc)]
 
 
+def _client_entries(servers: list[tuple[str, str, int]], what: str, only: str, inputs: str) -> list[dict[str, Any]]:
+    """client_only entries (this node serves nothing on the ports; the caller adds the users who may connect) for
+    servers [(node, address, port)] on other nodes: one per node, its own ports to its own address, so that no
+    port of one node is checked against another's users."""
+    nodes: dict[str, dict[str, set]] = {}
+    for node, address, port in servers:
+        found = nodes.setdefault(node, {"addresses": set(), "ports": set()})
+        found["addresses"].add(address)
+        found["ports"].add(port)
+    return [
+        {
+            "port": sorted(found["ports"]),
+            "what": what.format(node=node),
+            "only": only,
+            "hosts": [],
+            "extra": sorted(found["addresses"]),
+            "inputs": inputs,
+            "client_only": True,
+        }
+        for node, found in sorted(nodes.items())
+    ]
+
+
+def _remote_rpc_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A llama.cpp head's RPC servers on other nodes, as its own node's users reach them: those nodes admit the
+    head's addresses, whichever process sends from them, and an RPC server runs whatever tensors it is sent on its
+    GPUs; so from the head only the service's user (its llama-server) and root connect to them."""
+    servers = [
+        (str(server["host"]), str(server["address"]), int(server["port"]))
+        for worker in svc.get("workers") or []
+        for server in worker.get("rpc_servers") or []
+        if server["host"] != worker["host"]
+    ]
+    what, only = f"{svc['name']} RPC servers on {{node}}", "its llama-server from here only"
+    entries = _client_entries(servers, what, only, f"service {svc['name']}: nodes and nodes_per_worker")
+    return [{**entry, "local": [str(svc["service"]["user"])]} for entry in entries]
+
+
 def _remote_worker_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The gateway's workers on other nodes, as its own node's users reach them: those nodes admit the gateway's
     address, whichever process sends from it, so the gateway's node itself lets only NGINX (and Prometheus where
-    it runs) connect to them (client_only: this node serves nothing there; its caller adds the users)."""
-    remote = [server for server in svc.get("upstreams") or [] if server["node"] != svc.get("gateway_host")]
-    if not remote:
-        return []
-    addresses, ports = set(), set()
-    for server in remote:
-        address, _sep, port = str(server["address"]).rpartition(":")
-        addresses.add(address.strip("[]"))
-        ports.add(int(port))
-    return [
-        {
-            "port": sorted(ports),
-            "what": f"{svc['name']} other nodes' workers",
-            "only": "NGINX and Prometheus from here only",
-            "hosts": [],
-            "extra": sorted(addresses),
-            "inputs": f"service {svc['name']}: nodes",
-            "client_only": True,
-        }
-    ]
+    it runs) connect to them (its caller adds those users: the entries' `what` ends in " workers")."""
+    servers = []
+    for server in svc.get("upstreams") or []:
+        if server["node"] != svc.get("gateway_host"):
+            address, _sep, port = str(server["address"]).rpartition(":")
+            servers.append((str(server["node"]), address.strip("[]"), int(port)))
+    what, only = f"{svc['name']} {{node}}'s workers", "NGINX and Prometheus from here only"
+    return _client_entries(servers, what, only, f"service {svc['name']}: nodes")
 
 
 def _rpc_entries(svc: Mapping[str, Any]) -> list[dict[str, Any]]:

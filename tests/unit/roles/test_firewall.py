@@ -261,21 +261,25 @@ def test_the_gateways_node_lets_only_nginx_and_prometheus_reach_the_other_nodes_
     entries = inference_firewall_ports([], gateways, ["monitor"], [])
     local = {"local": ["www-data", "prometheus"]}
     text = render([{**e, **local} if e["what"].endswith(" workers") else e for e in entries], passwd=PASSWD)
-    assert [rule.split(" counter ")[0] for rule in rules(text) if "8100" in rule] == [
-        "tcp dport { 8100, 8102 } ct state new ip daddr @chat_other_nodes_workers_v4 meta skuid != { 0, 33, 998 }",
-        "tcp dport { 8100, 8102 } ct state new ip6 daddr @chat_other_nodes_workers_v6 meta skuid != { 0, 33, 998 }",
+    # One entry per node, its own ports to its own address: node3's 8102 is not checked on node2.
+    assert [rule.split(" counter ")[0] for rule in rules(text) if "810" in rule] == [
+        "tcp dport { 8100 } ct state new ip daddr @chat_node2_s_workers_v4 meta skuid != { 0, 33, 998 }",
+        "tcp dport { 8100 } ct state new ip6 daddr @chat_node2_s_workers_v6 meta skuid != { 0, 33, 998 }",
+        "tcp dport { 8102 } ct state new ip daddr @chat_node3_s_workers_v4 meta skuid != { 0, 33, 998 }",
+        "tcp dport { 8102 } ct state new ip6 daddr @chat_node3_s_workers_v6 meta skuid != { 0, 33, 998 }",
     ]
     found = sets(text)
-    assert "elements = { 10.0.0.12 }" in found["chat_other_nodes_workers_v4"]
-    assert "elements = { fd00::13 }" in found["chat_other_nodes_workers_v6"]
+    assert "elements = { 10.0.0.12 }" in found["chat_node2_s_workers_v4"]
+    assert "elements" not in found["chat_node2_s_workers_v6"]
+    assert "elements = { fd00::13 }" in found["chat_node3_s_workers_v6"]
     assert (
-        "#   8100, 8102 (chat other nodes' workers): served there, 10.0.0.12, fd00::13; from this node to them: root, "
-        "www-data, prometheus" in text
+        "#   8100 (chat node2's workers): served there, 10.0.0.12; from this node to them: root, www-data, prometheus"
+        in text
     )
     # This node serves nothing there: no input rule, no check of connections to its own addresses.
     assert "8102" not in text[text.index("chain input {") : text.index("chain output {")]
     # A service whose workers are all on the gateway's node: nothing more.
-    assert "solo_other" not in text
+    assert "solo_" not in text.replace("solo_gateway", "")
     with pytest.raises(ValueError, match="client_only: found true, expected local users too"):
         firewall_rules([e for e in entries if e.get("client_only")], HOSTVARS)
 

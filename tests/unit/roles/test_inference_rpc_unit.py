@@ -150,6 +150,22 @@ def test_the_rpc_ports_admit_the_head_alone_another_node_and_an_outsider_are_res
     assert "elements" not in found["chat_rpc_servers_of_node1_v6"]
 
 
+def test_on_the_head_only_its_llama_servers_user_reaches_its_rpc_servers_on_other_nodes():
+    """Node2's RPC ports admit node1's addresses, whichever process on node1 sends from them: node1 itself lets only
+    the service's user (its llama-server) and root connect there, and serves nothing on those ports."""
+    plan = inference_plan(SERVICE, HOSTVARS, "node1", list(HOSTVARS), [], {"ci": "k" * 32})
+    entries = inference_firewall_ports([plan], [], ["monitor"], [], [])
+    text = render(entries, "budgetgpu_inference", passwd={"budgetgpu-infer": ["x", "998"], "www-data": ["x", "33"]})
+    assert [rule.split(" counter ")[0] for rule in rules(text) if "rpc_servers" in rule] == [
+        "tcp dport { 8100, 8101 } ct state new ip daddr @chat_rpc_servers_on_node2_v4 meta skuid != { 0, 998 }",
+        "tcp dport { 8100, 8101 } ct state new ip6 daddr @chat_rpc_servers_on_node2_v6 meta skuid != { 0, 998 }",
+    ]
+    assert "elements = { 10.0.0.12 }" in sets(text)["chat_rpc_servers_on_node2_v4"]
+    # node2, where the RPC servers run and no worker is headed: no such entry.
+    node2 = inference_plan(SERVICE, HOSTVARS, "node2", list(HOSTVARS), [], {"ci": "k" * 32})
+    assert not [e for e in inference_firewall_ports([node2], [], ["monitor"], [], []) if e.get("client_only")]
+
+
 HEAD_PLAYBOOK = """\
 - name: Render the head's drop-in and bring its unit to its state as role inference does
   hosts: all
