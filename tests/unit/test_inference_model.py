@@ -1669,7 +1669,12 @@ def test_the_rpc_ports_admit_their_workers_head_alone_and_root_from_the_node():
     assert [e["hosts"] for e in gateway.inference_firewall_ports([], [], ["monitor"], [], [other])] == [["node3"]]
     # A head opens no RPC port; an absent service none.
     head = inference_plan(item, hv, "node1", list(hv), [], {"ci": KEY}, [], "10.0.0.0/24")
-    assert [e["what"] for e in gateway.inference_firewall_ports([head], [], ["monitor"], [], [])] == ["chat workers"]
+    entries = gateway.inference_firewall_ports([head], [], ["monitor"], [], [])
+    assert [e["what"] for e in entries if not e.get("client_only")] == ["chat workers"]
+    # It checks its own node's users on their way to its RPC servers on node2 (client_only: no input rule).
+    assert [(e["what"], e["port"], e["extra"], e["local"]) for e in entries if e.get("client_only")] == [
+        ("chat RPC servers on node2", [8100, 8101], ["10.0.0.12"], [item["user"]])
+    ]
     assert gateway.inference_firewall_ports([], [], ["monitor"], [], [{**rpc, "state": "absent"}]) == []
 
 
