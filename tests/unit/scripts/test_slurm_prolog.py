@@ -204,6 +204,18 @@ def test_the_whole_program_ends_at_its_deadline(node, tmp_path):
     )
     assert done.returncode == 0 and "not done within 1 s: gave up" in done.stderr, done.stderr
     assert time.monotonic() - started < 10
+    # The hung NVML reader went with it (it was left asleep before, with nobody left to kill it at its deadline).
+    time.sleep(0.5)
+    readers = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p, str(tmp_path))]
+    assert readers == [], readers
+
+
+def _reads(cmdline: Path, folder: str) -> bool:
+    """Whether the process of /proc/<pid>/cmdline runs from folder (gone meanwhile: no)."""
+    try:
+        return folder in cmdline.read_bytes().decode(errors="replace")
+    except OSError:
+        return False
 
 
 def fake_nft(tmp_path: Path, body: str) -> str:
