@@ -508,6 +508,12 @@ def nccl_absent_report(
 TORCH_DEFAULT_PORT = 29500
 
 
+def _host_jobs(inputs: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """inputs' jobs that run on inputs' host, the removed ones left out."""
+    groups, host = inputs.get("groups") or {}, inputs.get("host")
+    return [job for job in inputs.get("jobs") or [] if job.get("state") != "absent" and host in job_hosts(job, groups)]
+
+
 def nccl_firewall_ports(inputs: Mapping[str, Any], records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Return the training table's entries (role _firewall's) on inputs' host, but NCCL/gloo's ephemeral range.
 
@@ -518,13 +524,11 @@ def nccl_firewall_ports(inputs: Mapping[str, Any], records: dict[str, dict[str, 
     Then one for the other single ports (test_ports, torch's default, the ports of jobs elsewhere): every member,
     and from a node root and the test's user. inputs: host, jobs, groups, user, test_ports, allowed_sources.
     """
-    jobs, groups, host = list(inputs.get("jobs") or []), inputs.get("groups") or {}, inputs.get("host")
+    jobs, groups = list(inputs.get("jobs") or []), inputs.get("groups") or {}
     allowed = [str(source) for source in inputs.get("allowed_sources") or []]
     entries = []
-    for job in jobs:
+    for job in _host_jobs(inputs):
         hosts = job_hosts(job, groups)
-        if job.get("state") == "absent" or host not in hosts:
-            continue
         addresses = nccl_record_addresses({h: records[h] for h in hosts if h in records})
         entries.append(
             {
@@ -727,9 +731,7 @@ def _test_port_problems(inputs: Mapping[str, Any], host: str) -> list[str]:
     (nccl_firewall_ports), and the test and the job would meet on it."""
     test_ports = [int(port) for port in inputs.get("test_ports") or []]
     problems = []
-    for job in inputs.get("jobs") or []:
-        if job.get("state") == "absent" or host not in job_hosts(job, inputs.get("groups") or {}):
-            continue
+    for job in _host_jobs(inputs):
         for key in PORT_KEYS:
             if job.get(key) in test_ports:
                 problems.append(
